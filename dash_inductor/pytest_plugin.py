@@ -1,0 +1,72 @@
+"""pytest plugin of dash_inductor: hypothesis profiles and determinism fixtures.
+
+pytest loads this module at start-up in every project where dash_inductor is installed, so it stays
+light: no torch import at module level, and it only *registers* hypothesis profiles (selecting one
+is the user's choice, ``pytest --hypothesis-profile=dash-ci``), so nobody's settings change silently.
+
+Profiles:
+
+- ``dash-ci``: derandomized (the same examples on every run, so a CI failure reproduces), no
+  deadline (first calls compile kernels), few examples, and the failure blob printed.
+- ``dash-gpu``: more examples for larger GPU draws, still derandomized and without deadline.
+
+Fixtures:
+
+- ``deterministic_algorithms``: turns ``torch.use_deterministic_algorithms(True)`` on for the test
+  and restores the previous mode (including ``warn_only``) afterwards.
+- ``restore_deterministic_algorithms``: lets the test set the mode itself and restores it afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+CI_PROFILE = "dash-ci"
+GPU_PROFILE = "dash-gpu"
+
+
+def _register_hypothesis_profiles() -> None:
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # hypothesis is an optional test dependency
+        return
+    slow_checks = [HealthCheck.too_slow, HealthCheck.data_too_large]
+    settings.register_profile(
+        CI_PROFILE, derandomize=True, deadline=None, max_examples=10, print_blob=True,
+        suppress_health_check=slow_checks, database=None)
+    settings.register_profile(
+        GPU_PROFILE, derandomize=True, deadline=None, max_examples=50, print_blob=True,
+        suppress_health_check=slow_checks, database=None)
+
+
+_register_hypothesis_profiles()
+
+
+def _saved_mode() -> tuple[bool, bool]:
+    import torch
+
+    return (torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled())
+
+
+@pytest.fixture
+def restore_deterministic_algorithms() -> Iterator[None]:
+    """Restore ``torch.use_deterministic_algorithms`` to its state before the test."""
+    import torch
+
+    enabled, warn_only = _saved_mode()
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+@pytest.fixture
+def deterministic_algorithms(restore_deterministic_algorithms: None) -> Iterator[None]:
+    """Run the test with ``torch.use_deterministic_algorithms(True)`` (strict), then restore."""
+    import torch
+
+    torch.use_deterministic_algorithms(True)
+    yield
