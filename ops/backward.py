@@ -1,0 +1,363 @@
+"""Attention backward: preprocess, ONE main dK/dV + ordered-dQ kernel, and the recompute dQ kernel.
+
+The main kernel is persistent: program p takes work items p, p+P, ... (ops/schedules.py lays them
+out). Each slot of an item owns a KV tile, keeps dK and dV in fp32 registers and, for every query
+head of its GQA group, visits Q tiles in the schedule's order. Its dQ partial goes into an fp32
+accumulator in the order fixed by the schedule's reduction rank, enforced by an int32 ticket per
+(b, hq, Q sub-tile): wait until the ticket equals my rank (bounded), add the tile, barrier, release
+the next rank (DESIGN.md decision 5; DASH, Qiang et al. 2026, for the orders). The schedule is a
+constexpr, so every schedule is this one kernel body.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import schedules as sch
+from .configs import arch_key, auto_schedule, backward_config, head_dim_bucket
+from .launch import (coresident_programs, cooperative_launch_supported, dot_precision, interpreting,
+                     mask_kind, raise_if_spin_exceeded, warn_once)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_oe,
+                       stride_db, stride_dh, stride_dm, stride_de, HQ, L,
+                       EV: tl.constexpr, HEAD_EV: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32: the softmax-backward term shared by all KV tiles of a row."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_EV)
+    inside = (rows[:, None] < L) & (cols[None, :] < EV)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                + rows[:, None] * stride_om + cols[None, :] * stride_oe, mask=inside, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
+                 + rows[:, None] * stride_dm + cols[None, :] * stride_de, mask=inside, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * L + rows, delta, mask=rows < L)
+
+
+@triton.jit
+def _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn,
+                     MASK_KIND: tl.constexpr):
+    """Apply the user mask to transposed log2-domain scores (keys along dim 0, queries along dim 1)."""
+    if MASK_KIND == 1:
+        keep = tl.load(MASK + m_base + cols[:, None] * stride_mn + rows[None, :] * stride_mm,
+                       mask=(cols[:, None] < S) & (rows[None, :] < L), other=0)
+        s_t = tl.where(keep != 0, s_t, float("-inf"))
+    if MASK_KIND == 2:
+        add = tl.load(MASK + m_base + cols[:, None] * stride_mn + rows[None, :] * stride_mm,
+                      mask=(cols[:, None] < S) & (rows[None, :] < L), other=0.0)
+        s_t = s_t + add.to(tl.float32) * 1.4426950408889634
+    return s_t
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, row_base, rows, L):
+    """Log2-domain logsumexp (+inf where a row sees no key, so its probabilities are 0) and delta."""
+    lse = tl.load(LSE + row_base + rows, mask=rows < L, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + row_base + rows, mask=rows < L, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def _wait_for_turn(ticket_ptr, rank, ERR, max_spin):
+    """Spin (bounded) until this Q sub-tile's ticket equals ``rank``; on timeout raise the flag."""
+    seen = tl.atomic_add(ticket_ptr, 0, sem="acquire")
+    if seen != rank:
+        limit = tl.where(tl.load(ERR, volatile=True) != 0, 0, max_spin)
+        spins = 0
+        while (seen != rank) & (spins < limit):
+            seen = tl.atomic_add(ticket_ptr, 0, sem="acquire")
+            spins += 1
+        if seen != rank:
+            tl.atomic_max(ERR, 1)
+
+
+@triton.jit
+def _backward_main_kernel(
+        Q, K, V, DO, LSE, DELTA, MASK, DK, DV, DQACC, TICKETS, ERR,
+        stride_qb, stride_qh, stride_qm, stride_qe,
+        stride_kb, stride_kh, stride_kn, stride_ke,
+        stride_vb, stride_vh, stride_vn, stride_ve,
+        stride_db, stride_dh, stride_dm, stride_de,
+        stride_mb, stride_mh, stride_mm, stride_mn,
+        stride_dkb, stride_dkh, stride_dkn, stride_dke,
+        stride_dvb, stride_dvh, stride_dvn, stride_dve,
+        HQ, HKV, L, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale, max_spin,
+        GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
+        HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, EVEN_S: tl.constexpr,
+        SCHEDULE: tl.constexpr, NUM_SLOTS: tl.constexpr, ORDERED_WAITS: tl.constexpr,
+        PRECISION: tl.constexpr):
+    NSUB: tl.constexpr = BLOCK_N // BLOCK_M
+    COMPUTE_DQ: tl.constexpr = SCHEDULE != sch.RECOMPUTE
+    ORDERED: tl.constexpr = (SCHEDULE != sch.RECOMPUTE) & (SCHEDULE != sch.ATOMIC)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, HEAD_E)
+    offs_ev = tl.arange(0, HEAD_EV)
+    l_pad = n_q * BLOCK_N
+    for work in range(tl.program_id(0), total_items, tl.num_programs(0)):
+        head = work // items_per_head
+        item = work % items_per_head
+        b = head // HKV
+        hkv = head % HKV
+        for slot in tl.static_range(NUM_SLOTS):
+            kv = sch.slot_kv_tile(item, slot, n_kv, CAUSAL, SCHEDULE)
+            if kv >= 0:
+                cols = kv * BLOCK_N + offs_n
+                k_base = b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+                v_base = b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+                k = tl.load(K + k_base + cols[:, None] * stride_kn + offs_e[None, :] * stride_ke,
+                            mask=(cols[:, None] < S) & (offs_e[None, :] < E), other=0.0)
+                v = tl.load(V + v_base + cols[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
+                            mask=(cols[:, None] < S) & (offs_ev[None, :] < EV), other=0.0)
+                dk = tl.zeros([BLOCK_N, HEAD_E], tl.float32)
+                dv = tl.zeros([BLOCK_N, HEAD_EV], tl.float32)
+                n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
+                for g in range(GROUP):
+                    hq = hkv * GROUP + g
+                    bh = b * HQ + hq
+                    q_base = b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh
+                    do_base = b.to(tl.int64) * stride_db + hq.to(tl.int64) * stride_dh
+                    m_base = b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
+                    row_base = bh.to(tl.int64) * L
+                    for it in range(n_steps):
+                        qt = sch.q_tile_at(it // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
+                        sub = it % NSUB
+                        rows = qt * BLOCK_N + sub * BLOCK_M + offs_m
+                        q = tl.load(Q + q_base + rows[:, None] * stride_qm + offs_e[None, :] * stride_qe,
+                                    mask=(rows[:, None] < L) & (offs_e[None, :] < E), other=0.0)
+                        do = tl.load(DO + do_base + rows[:, None] * stride_dm + offs_ev[None, :] * stride_de,
+                                     mask=(rows[:, None] < L) & (offs_ev[None, :] < EV), other=0.0)
+                        lse2, delta = _load_row_stats(LSE, DELTA, row_base, rows, L)
+                        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+                        s_t = _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn,
+                                               MASK_KIND)
+                        if CAUSAL:
+                            s_t = tl.where(cols[:, None] <= rows[None, :], s_t, float("-inf"))
+                        p_t = tl.math.exp2(s_t - lse2[None, :])
+                        if not EVEN_S:
+                            p_t = tl.where(cols[:, None] < S, p_t, 0.0)
+                        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+                        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+                        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+                        dk += tl.dot(ds_t, q, input_precision=PRECISION)
+                        if COMPUTE_DQ:
+                            dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION) * sm_scale
+                            acc_ptrs = (DQACC + (bh.to(tl.int64) * l_pad + rows[:, None]) * HEAD_E
+                                        + offs_e[None, :])
+                            if ORDERED:
+                                ticket = TICKETS + (bh * n_q + qt) * NSUB + sub
+                                if ORDERED_WAITS:
+                                    rank = sch.reduction_rank(qt, kv, n_q, n_kv, CAUSAL, SCHEDULE)
+                                    _wait_for_turn(ticket, rank, ERR, max_spin)
+                                tl.atomic_add(acc_ptrs, dq, sem="relaxed")
+                                tl.debug_barrier()
+                                tl.atomic_add(ticket, 1, sem="release")
+                            else:
+                                tl.atomic_add(acc_ptrs, dq, sem="relaxed")
+                dk_base = b.to(tl.int64) * stride_dkb + hkv.to(tl.int64) * stride_dkh
+                dv_base = b.to(tl.int64) * stride_dvb + hkv.to(tl.int64) * stride_dvh
+                tl.store(DK + dk_base + cols[:, None] * stride_dkn + offs_e[None, :] * stride_dke,
+                         (dk * sm_scale).to(DK.dtype.element_ty),
+                         mask=(cols[:, None] < S) & (offs_e[None, :] < E))
+                tl.store(DV + dv_base + cols[:, None] * stride_dvn + offs_ev[None, :] * stride_dve,
+                         dv.to(DV.dtype.element_ty), mask=(cols[:, None] < S) & (offs_ev[None, :] < EV))
+
+
+@triton.jit
+def _dq_tile_step(dq, q, do, lse2, delta, K, V, k_base, v_base, m_base, MASK, rows, start_n, L, S,
+                  qk_scale, stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
+                  E: tl.constexpr, EV: tl.constexpr, HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, BOUNDS: tl.constexpr,
+                  MASK_KIND: tl.constexpr, PRECISION: tl.constexpr):
+    """Add one KV tile's dS K to a dQ tile (recompute schedule), keys along dim 0 of the scores."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, HEAD_E)
+    offs_ev = tl.arange(0, HEAD_EV)
+    k = tl.load(K + k_base + cols[:, None] * stride_kn + offs_e[None, :] * stride_ke,
+                mask=(cols[:, None] < S) & (offs_e[None, :] < E), other=0.0)
+    v = tl.load(V + v_base + cols[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
+                mask=(cols[:, None] < S) & (offs_ev[None, :] < EV), other=0.0)
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+    s_t = _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn, MASK_KIND)
+    if CAUSAL:
+        s_t = tl.where(cols[:, None] <= rows[None, :], s_t, float("-inf"))
+    p_t = tl.math.exp2(s_t - lse2[None, :])
+    if BOUNDS:
+        p_t = tl.where(cols[:, None] < S, p_t, 0.0)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    return dq + tl.dot(tl.trans(ds_t), k, input_precision=PRECISION)
+
+
+@triton.jit
+def _backward_dq_kernel(
+        Q, K, V, DO, LSE, DELTA, MASK, DQ,
+        stride_qb, stride_qh, stride_qm, stride_qe,
+        stride_kb, stride_kh, stride_kn, stride_ke,
+        stride_vb, stride_vh, stride_vn, stride_ve,
+        stride_db, stride_dh, stride_dm, stride_de,
+        stride_mb, stride_mh, stride_mm, stride_mn,
+        stride_dqb, stride_dqh, stride_dqm, stride_dqe,
+        HQ, L, S, qk_scale, sm_scale,
+        GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
+        HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ of one Q tile from all its KV tiles in ascending order (recompute schedule): no waits."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    hq = pid_bh % HQ
+    hkv = hq // GROUP
+    start_m = tl.program_id(0) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, HEAD_E)
+    offs_ev = tl.arange(0, HEAD_EV)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh
+                + rows[:, None] * stride_qm + offs_e[None, :] * stride_qe,
+                mask=(rows[:, None] < L) & (offs_e[None, :] < E), other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_db + hq.to(tl.int64) * stride_dh
+                 + rows[:, None] * stride_dm + offs_ev[None, :] * stride_de,
+                 mask=(rows[:, None] < L) & (offs_ev[None, :] < EV), other=0.0)
+    lse2, delta = _load_row_stats(LSE, DELTA, pid_bh.to(tl.int64) * L, rows, L)
+    k_base = b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_base = b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    m_base = b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
+    if CAUSAL:
+        end = tl.minimum(start_m + BLOCK_M, S)
+        full_end = tl.minimum((start_m + 1) // BLOCK_N, S // BLOCK_N) * BLOCK_N
+    else:
+        end = S
+        full_end = (S // BLOCK_N) * BLOCK_N
+    dq = tl.zeros([BLOCK_M, HEAD_E], tl.float32)
+    for start_n in range(0, full_end, BLOCK_N):
+        dq = _dq_tile_step(dq, q, do, lse2, delta, K, V, k_base, v_base, m_base, MASK, rows, start_n,
+                           L, S, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve, stride_mm,
+                           stride_mn, E, EV, HEAD_E, HEAD_EV, BLOCK_N, False, False, MASK_KIND,
+                           PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):
+        dq = _dq_tile_step(dq, q, do, lse2, delta, K, V, k_base, v_base, m_base, MASK, rows, start_n,
+                           L, S, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve, stride_mm,
+                           stride_mn, E, EV, HEAD_E, HEAD_EV, BLOCK_N, CAUSAL, True, MASK_KIND,
+                           PRECISION)
+    tl.store(DQ + b.to(tl.int64) * stride_dqb + hq.to(tl.int64) * stride_dqh
+             + rows[:, None] * stride_dqm + offs_e[None, :] * stride_dqe,
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=(rows[:, None] < L) & (offs_e[None, :] < E))
+
+
+def _resolve_schedule(schedule: str, head_dim: int, dtype: torch.dtype, causal: bool, n_kv: int,
+                      arch: int | str) -> str:
+    if schedule == "auto":
+        return auto_schedule(head_dim, dtype, causal, n_kv, arch)
+    if schedule not in sch.SCHEDULE_IDS:
+        raise ValueError(f"schedule must be 'auto' or one of {sorted(sch.SCHEDULE_IDS)}, got {schedule!r}")
+    return schedule
+
+
+def _fit_schedule(schedule: str, causal: bool, n_kv: int, capacity: int, shape: str) -> str:
+    """Fall back when a schedule needs all items of a head resident but they exceed the capacity."""
+    if sch.needs_coresident_head(schedule) and sch.items_per_head(n_kv, causal, schedule) > capacity:
+        fallback = "descending" if causal else "ascending"
+        warn_once(f"dash attention backward: schedule {schedule!r} needs "
+                  f"{sch.items_per_head(n_kv, causal, schedule)} co-resident programs per head for "
+                  f"{shape}, the GPU holds {capacity}; using {fallback!r} instead")
+        return fallback
+    return schedule
+
+
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None,
+                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, is_causal: bool,
+                       scale: float, schedule: str = "auto", max_spin: int = 1 << 26,
+                       config=None) -> str:
+    """Write the gradients of attention into ``dq``, ``dk``, ``dv``; return the schedule used.
+
+    ``lse`` is the forward's contiguous fp32 (B, Hq, L) logsumexp. ``config`` overrides the table's
+    :class:`~.configs.BackwardConfig` (tests and tuning only).
+    """
+    batch, hq, seq_q, e = q.shape
+    hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
+    device = q.device
+    arch = arch_key(device)
+    cfg = config or backward_config(max(e, ev), q.dtype, is_causal, arch)
+    if cfg.block_n % cfg.block_m:
+        raise ValueError(f"backward config needs block_m dividing block_n, got {cfg}")
+    n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
+    shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
+    schedule = _resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, n_kv, arch)
+    head_e, head_ev = head_dim_bucket(e), head_dim_bucket(ev)
+    precision = dot_precision(q.dtype)
+    mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
+
+    delta = torch.empty((batch * hq, seq_q), device=device, dtype=torch.float32)
+    prep_block = 64
+    _preprocess_kernel[(triton.cdiv(seq_q, prep_block), batch * hq)](
+        out, grad_out, delta, *out.stride(), *grad_out.stride(), hq, seq_q,
+        EV=ev, HEAD_EV=head_ev, BLOCK_M=prep_block)
+
+    ordered = schedule not in ("atomic", "recompute")
+    waits = ordered and not interpreting()
+    dq_acc = tickets = None
+    if schedule != "recompute":
+        dq_acc = torch.zeros((batch * hq, n_q * cfg.block_n, head_e), device=device, dtype=torch.float32)
+    tickets = torch.zeros((batch * hq * n_q * (cfg.block_n // cfg.block_m),), device=device,
+                          dtype=torch.int32)
+    error_flag = torch.zeros((1,), device=device, dtype=torch.int32)
+
+    def main_args(sched: str) -> tuple[tuple, dict, int]:
+        per_head = sch.items_per_head(n_kv, is_causal, sched)
+        args = (q, k, v, grad_out, lse, delta, mask_t, dk, dv,
+                dq_acc if dq_acc is not None else delta, tickets, error_flag,
+                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides,
+                *dk.stride(), *dv.stride(),
+                hq, hkv, seq_q, seq_k, n_q, n_kv, per_head, batch * hkv * per_head,
+                scale * LOG2E, scale, max_spin)
+        kwargs = dict(GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_e, HEAD_EV=head_ev,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=is_causal,
+                      MASK_KIND=mask_kind(mask), EVEN_S=seq_k % cfg.block_n == 0,
+                      SCHEDULE=sch.SCHEDULE_IDS[sched], NUM_SLOTS=sch.num_slots(is_causal, sched),
+                      ORDERED_WAITS=waits, PRECISION=precision,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if waits and cooperative_launch_supported():
+            kwargs["launch_cooperative_grid"] = True
+        return args, kwargs, batch * hkv * per_head
+
+    args, kwargs, total_items = main_args(schedule)
+    if interpreting():
+        programs = min(total_items, 3)
+    else:
+        capacity = coresident_programs(_backward_main_kernel, args, kwargs, device)
+        fitted = _fit_schedule(schedule, is_causal, n_kv, capacity, shape)
+        if fitted != schedule:
+            schedule = fitted
+            args, kwargs, total_items = main_args(schedule)
+            capacity = coresident_programs(_backward_main_kernel, args, kwargs, device)
+        programs = min(total_items, capacity)
+    _backward_main_kernel[(programs,)](*args, **kwargs)
+
+    if is_causal and seq_k > n_q * cfg.block_n:
+        dk[:, :, n_q * cfg.block_n:].zero_()
+        dv[:, :, n_q * cfg.block_n:].zero_()
+    if schedule == "recompute":
+        _backward_dq_kernel[(triton.cdiv(seq_q, cfg.dq_block_m), batch * hq)](
+            q, k, v, grad_out, lse, delta, mask_t, dq,
+            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides, *dq.stride(),
+            hq, seq_q, seq_k, scale * LOG2E, scale,
+            GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_e, HEAD_EV=head_ev,
+            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, CAUSAL=is_causal,
+            MASK_KIND=mask_kind(mask), PRECISION=precision,
+            num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages)
+    else:
+        dq.copy_(dq_acc.view(batch, hq, n_q * cfg.block_n, head_e)[:, :, :seq_q, :e])
+    if waits and not torch.cuda.is_current_stream_capturing():
+        raise_if_spin_exceeded(error_flag, f"{shape}, schedule {schedule!r}")
+    return schedule

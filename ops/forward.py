@@ -1,0 +1,161 @@
+"""FlashAttention-2 forward: ``out`` and the natural-log logsumexp, one program per (Q tile, b*h).
+
+Online softmax (Dao, "FlashAttention-2", 2023) in the exp2 domain: the scores are multiplied by
+``scale * log2(e)`` once so that every exponential is a cheap ``exp2``. Causal (top-left) attention
+skips the KV tiles entirely above the diagonal and masks only the diagonal band; user masks are
+loaded tile by tile through their (possibly zero) strides; GQA reads the KV head ``h // group``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import arch_key, forward_config, head_dim_bucket
+from .launch import dot_precision, mask_kind
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+MASK_NONE: tl.constexpr = tl.constexpr(0)
+MASK_BOOL: tl.constexpr = tl.constexpr(1)
+MASK_ADD: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _scores_tile(q, k_ptrs, mask_ptrs, offs_m, offs_n, start_n, L, S, qk_scale,
+                 stride_mask_n, stride_kn,
+                 MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BOUNDS: tl.constexpr,
+                 E: tl.constexpr, HEAD_E: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores of one KV tile in the log2 domain, with bounds, causal and user masks applied."""
+    cols = start_n + offs_n
+    offs_e = tl.arange(0, HEAD_E)
+    k = tl.load(k_ptrs + start_n * stride_kn, mask=(cols[None, :] < S) & (offs_e[:, None] < E), other=0.0)
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    if MASK_KIND == MASK_BOOL:
+        keep = tl.load(mask_ptrs + start_n * stride_mask_n,
+                       mask=(offs_m[:, None] < L) & (cols[None, :] < S), other=0)
+        s = tl.where(keep != 0, s, float("-inf"))
+    if MASK_KIND == MASK_ADD:
+        add = tl.load(mask_ptrs + start_n * stride_mask_n,
+                      mask=(offs_m[:, None] < L) & (cols[None, :] < S), other=0.0)
+        s = s + add.to(tl.float32) * 1.4426950408889634
+    if BOUNDS:
+        s = tl.where(cols[None, :] < S, s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _online_step(acc, m_i, l_i, s, v_ptrs, start_n, offs_n, S, stride_vn,
+                 EV: tl.constexpr, HEAD_EV: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one tile of log2-domain scores into the running max, sum and output accumulator."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    offs_ev = tl.arange(0, HEAD_EV)
+    cols = start_n + offs_n
+    v = tl.load(v_ptrs + start_n * stride_vn, mask=(cols[:, None] < S) & (offs_ev[None, :] < EV), other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attention_forward_kernel(
+        Q, K, V, MASK, OUT, LSE,
+        stride_qb, stride_qh, stride_qm, stride_qe,
+        stride_kb, stride_kh, stride_kn, stride_ke,
+        stride_vb, stride_vh, stride_vn, stride_ve,
+        stride_mb, stride_mh, stride_mm, stride_mn,
+        stride_ob, stride_oh, stride_om, stride_oe,
+        HQ, L, S, qk_scale,
+        GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
+        HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    hq = pid_bh % HQ
+    hkv = hq // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, HEAD_E)
+    offs_ev = tl.arange(0, HEAD_EV)
+
+    q_ptrs = (Q + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh
+              + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe)
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < L) & (offs_e[None, :] < E), other=0.0)
+    k_ptrs = (K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+              + offs_n[None, :] * stride_kn + offs_e[:, None] * stride_ke)
+    v_ptrs = (V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+              + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve)
+    mask_ptrs = (MASK + b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
+                 + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_EV], tl.float32)
+
+    # KV tiles [0, full_end) need neither causal nor bounds masking; [full_end, end) need both.
+    if CAUSAL:
+        end = tl.minimum(start_m + BLOCK_M, S)
+        full_end = tl.minimum((start_m + 1) // BLOCK_N, S // BLOCK_N) * BLOCK_N
+    else:
+        end = S
+        full_end = (S // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        s = _scores_tile(q, k_ptrs, mask_ptrs, offs_m, offs_n, start_n, L, S, qk_scale,
+                         stride_mn, stride_kn, MASK_KIND, False, False, E, HEAD_E, PRECISION)
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptrs, start_n, offs_n, S, stride_vn,
+                                     EV, HEAD_EV, PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):
+        s = _scores_tile(q, k_ptrs, mask_ptrs, offs_m, offs_n, start_n, L, S, qk_scale,
+                         stride_mn, stride_kn, MASK_KIND, CAUSAL, True, E, HEAD_E, PRECISION)
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptrs, start_n, offs_n, S, stride_vn,
+                                     EV, HEAD_EV, PRECISION)
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    o_ptrs = (OUT + b.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh
+              + offs_m[:, None] * stride_om + offs_ev[None, :] * stride_oe)
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=(offs_m[:, None] < L) & (offs_ev[None, :] < EV))
+    tl.store(LSE + pid_bh.to(tl.int64) * L + offs_m, lse, mask=offs_m < L)
+
+
+def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    if mask is None:
+        return q, (0, 0, 0, 0)
+    return mask, tuple(mask.stride())
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool, scale: float,
+                      config=None) -> None:
+    """Write softmax(q k^T * scale + mask) v into ``out`` and its logsumexp into ``lse``.
+
+    ``lse`` must be a contiguous fp32 (B, Hq, L) tensor. ``config`` overrides the table's
+    :class:`~.configs.ForwardConfig` (tests and tuning only).
+    """
+    batch, hq, seq_q, e = q.shape
+    hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
+    if not lse.is_contiguous():
+        raise ValueError("lse must be a contiguous fp32 tensor of shape (B, Hq, L)")
+    cfg = config or forward_config(max(e, ev), q.dtype, is_causal, arch_key(q.device))
+    mask_t, mask_strides = _mask_args(mask, q)
+    grid = (triton.cdiv(seq_q, cfg.block_m), batch * hq)
+    _attention_forward_kernel[grid](
+        q, k, v, mask_t, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
+        hq, seq_q, seq_k, scale * LOG2E,
+        GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e), HEAD_EV=head_dim_bucket(ev),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=is_causal, MASK_KIND=mask_kind(mask), PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)

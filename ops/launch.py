@@ -1,0 +1,102 @@
+"""Launch helpers: dot precision, mask kinds, co-resident grid size, and the spin-error flag.
+
+The ordered dQ reduction makes programs wait for each other, which is only safe when every program
+that can be waited on is running. The persistent grid is therefore sized from the compiled kernel's
+register and shared-memory use against the device's limits (and launched cooperatively where Triton
+can, so an over-sized grid fails loudly instead of hanging).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import warnings
+
+import torch
+import triton
+
+MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (programs one after another)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: full fp32 unless torch allows TF32 for matmuls."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def mask_kind(mask: torch.Tensor | None) -> int:
+    """The kernels' constexpr code for a mask: none, boolean (True = attend) or additive."""
+    if mask is None:
+        return MASK_NONE
+    return MASK_BOOL if mask.dtype == torch.bool else MASK_ADD
+
+
+@functools.lru_cache(maxsize=None)
+def cooperative_launch_supported() -> bool:
+    """Whether this Triton accepts ``launch_cooperative_grid`` as a launch option."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_cooperative_grid" in inspect.signature(CUDAOptions).parameters
+
+
+def _blocks_per_sm(compiled, device: torch.device) -> int:
+    """How many programs of ``compiled`` fit on one SM at once (registers, shared memory, threads)."""
+    props = torch.cuda.get_device_properties(device)
+    num_warps = compiled.metadata.num_warps
+    try:
+        compiled._init_handles()
+        n_regs = max(int(compiled.n_regs), 1)
+    except (AttributeError, RuntimeError):
+        return 1
+    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    by_regs = (getattr(props, "regs_per_multiprocessor", 65536) // regs_per_warp) // num_warps
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
+    shared = int(compiled.metadata.shared)
+    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    by_smem = smem_per_sm // (shared + 1024) if shared > 0 else by_threads
+    return max(1, min(by_regs, by_threads, by_smem, 32))
+
+
+_CAPACITY: dict[tuple[str, int], int] = {}
+
+
+def coresident_programs(kernel, args: tuple, kwargs: dict, device: torch.device) -> int:
+    """The number of programs of ``kernel`` (with these arguments) that can run at once on ``device``.
+
+    Compiles the kernel (Triton's warmup, a cache hit after the first call) to read its resource
+    use; the answer is cached per compiled binary.
+    """
+    compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+    key = (compiled.hash, device.index or 0)
+    if key not in _CAPACITY:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        _CAPACITY[key] = sms * _blocks_per_sm(compiled, device)
+    return _CAPACITY[key]
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Warn once per distinct message (fallbacks are per shape, not per call)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def raise_if_spin_exceeded(error_flag: torch.Tensor, what: str) -> None:
+    """Turn the kernel's error flag (set when a bounded wait gave up) into a RuntimeError."""
+    if int(error_flag.item()) != 0:
+        raise RuntimeError(
+            f"dash attention backward: an ordered dQ wait exceeded max_spin for {what}; the "
+            "programs of one head were probably not co-resident. The gradients are invalid. "
+            "Use schedule='recompute', which never waits.")
