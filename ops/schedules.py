@@ -1,0 +1,137 @@
+"""Backward schedules as ``@triton.jit`` functions: which Q tile a KV tile visits at each step,
+and the rank of its dQ contribution in that Q tile's fixed reduction order.
+
+The same formulas, in plain Python with a simulator of the DAG model, live in
+``dash_inductor/schedule.py`` (the twin of this file; a test holds the two against each other).
+The schedules follow DASH (Qiang et al., arXiv 2601.21824). Every function is closed-form integer
+arithmetic on non-negative scalars: it runs inside the kernel's inner loop.
+
+Ranks only ever order a contribution after contributions that come earlier in an order every
+program follows, so the ordered dQ reduction cannot deadlock:
+- ``ascending``, ``descending``, ``recompute``, ``atomic``: work item i owns KV tile i, and a Q tile
+  takes its contributions in ascending KV order, i.e. in work-item order; any grid size works.
+- ``shift``: a Q tile takes its contributions in (slot, step) order, the order in which each program
+  walks its own work item; needs all work items of a head co-resident.
+"""
+
+import triton
+import triton.language as tl
+
+ASCENDING = tl.constexpr(0)
+DESCENDING = tl.constexpr(1)
+SHIFT = tl.constexpr(2)
+RECOMPUTE = tl.constexpr(3)
+ATOMIC = tl.constexpr(4)
+
+SCHEDULE_IDS: dict[str, int] = {"ascending": 0, "descending": 1, "shift": 2, "recompute": 3, "atomic": 4}
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULE_IDS:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULE_IDS)}, got {schedule!r}")
+
+
+def num_slots(causal: bool, schedule: str) -> int:
+    """KV tiles per work item: 2 for causal shift (KV tiles i and n_kv-1-i share a program), else 1."""
+    _check_schedule(schedule)
+    return 2 if causal and schedule == "shift" else 1
+
+
+def items_per_head(n_kv: int, causal: bool, schedule: str) -> int:
+    """Work items per (batch, KV head)."""
+    _check_schedule(schedule)
+    if not isinstance(n_kv, int) or n_kv < 1:
+        raise ValueError(f"n_kv must be a positive int (KV tiles per head), got {n_kv!r}")
+    return (n_kv + 1) // 2 if causal and schedule == "shift" else n_kv
+
+
+def needs_coresident_head(schedule: str) -> bool:
+    """True when a head's work items wait on each other both ways (shift): they must run at once."""
+    _check_schedule(schedule)
+    return schedule == "shift"
+
+
+@triton.jit
+def slot_kv_tile(item, slot, n_kv, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr):
+    """KV tile processed by work ``item`` in ``slot``; -1 when that slot is empty."""
+    if CAUSAL and SCHEDULE == SHIFT:
+        partner = n_kv - 1 - item
+        kv = tl.where(slot == 0, item, tl.where(partner > item, partner, -1))
+    else:
+        kv = tl.where(slot == 0, item, -1)
+    return kv
+
+
+@triton.jit
+def visit_count(kv, n_q, CAUSAL: tl.constexpr):
+    """Number of Q tiles KV tile ``kv`` interacts with (causal, top-left: Q tiles kv..n_q-1)."""
+    if CAUSAL:
+        count = tl.maximum(n_q - kv, 0)
+    else:
+        count = n_q + 0 * kv
+    return count
+
+
+@triton.jit
+def _causal_shift_split(n_q, n_kv):
+    """(first paired KV tile, first row of the dense rectangle, its height) of causal shift."""
+    half = (n_kv + 1) // 2
+    rect_row = tl.minimum(n_kv // 2, n_q)
+    return half, rect_row, n_q - rect_row
+
+
+@triton.jit
+def q_tile_at(step, kv, n_q, n_kv, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr):
+    """The Q tile that KV tile ``kv`` visits at ``step`` (0 <= step < visit_count)."""
+    if SCHEDULE == DESCENDING:
+        q = n_q - 1 - step + 0 * kv
+    elif SCHEDULE == SHIFT:
+        if CAUSAL:
+            half, rect_row, height = _causal_shift_split(n_q, n_kv)
+            # Left KV tiles (kv < half) first cycle through the dense rows rect_row.. with a
+            # per-tile offset, then climb their own staircase kv..rect_row-1; right tiles go down.
+            in_rect = rect_row + (kv + step) % tl.maximum(height, 1)
+            left = tl.where(step < height, in_rect, kv + step - height)
+            q = tl.where(kv < half, left, n_q - 1 - step)
+        else:
+            q = (kv % n_q + step) % n_q
+    else:
+        if CAUSAL:
+            q = kv + step
+        else:
+            q = step + 0 * kv
+    return q
+
+
+@triton.jit
+def _cyclic_rank(a, kv, count, width):
+    """Rank of kv among 0..count-1 ordered by ((a - kv') mod width, kv'), 0 <= a < width.
+
+    (a - kv') mod width is the step at which tile kv' reaches row a of a cyclic shift; ties
+    (count > width) are broken by kv'. Counting residues in a cyclic interval keeps it O(1).
+    """
+    arrival = (a - kv % width + width) % width
+    rounds = count // width
+    rest = count % width
+    lo = a - arrival + 1
+    top = tl.minimum(a + 1, rest)
+    no_wrap = tl.maximum(top - lo, 0)
+    wrap = top + tl.maximum(rest - (lo + width), 0)
+    earlier = rounds * arrival + tl.where(lo >= 0, no_wrap, wrap)
+    return earlier + kv // width
+
+
+@triton.jit
+def reduction_rank(q, kv, n_q, n_kv, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr):
+    """0-based position of KV tile ``kv``'s contribution in Q tile ``q``'s dQ reduction order."""
+    if SCHEDULE == SHIFT:
+        if CAUSAL:
+            half, rect_row, height = _causal_shift_split(n_q, n_kv)
+            upper = q - kv
+            rect = _cyclic_rank(tl.maximum(q - rect_row, 0), kv, half, tl.maximum(height, 1))
+            rank = tl.where(q < rect_row, upper, tl.where(kv < half, rect, kv))
+        else:
+            rank = _cyclic_rank(q, kv, n_kv, n_q)
+    else:
+        rank = kv + 0 * q
+    return rank
