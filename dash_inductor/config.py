@@ -1,0 +1,69 @@
+"""Runtime knobs of dash_inductor, read at call time (not at import time).
+
+Change them by assignment (``dash_inductor.config.schedule = "shift"``) or, scoped, with
+``dash_inductor.config.patch(schedule="shift")`` as a context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Iterator
+
+#: Backward schedule on CUDA. "auto" picks a deterministic schedule from a static rule
+#: (``dash_inductor.ops.configs.auto_schedule``); the others are listed in ``SCHEDULES``.
+schedule: str = "auto"
+
+#: What runs the op on CPU: "reference" (the blocked PyTorch implementation) or "triton"
+#: (the Triton kernels, which on CPU only run under ``TRITON_INTERPRET=1``; for tests).
+cpu_backend: str = "reference"
+
+#: When the Inductor pass rewrites SDPA: "deterministic" (only while
+#: ``torch.are_deterministic_algorithms_enabled()``), "always", or "off".
+rewrite: str = "deterministic"
+
+#: Upper bound on the polls of one ordered dQ wait on the GPU. Past it the kernel sets an error
+#: flag and the launcher raises, instead of hanging. Tests lower it to force that path.
+max_spin: int = 1 << 26
+
+SCHEDULES = ("auto", "ascending", "descending", "shift", "recompute", "atomic")
+DETERMINISTIC_SCHEDULES = ("ascending", "descending", "shift", "recompute")
+CPU_BACKENDS = ("reference", "triton")
+REWRITE_MODES = ("deterministic", "always", "off")
+
+_CHOICES = {"schedule": SCHEDULES, "cpu_backend": CPU_BACKENDS, "rewrite": REWRITE_MODES}
+
+
+def _check(name: str, value: object) -> None:
+    module = sys.modules[__name__]
+    if name not in _CHOICES and name != "max_spin":
+        raise AttributeError(f"dash_inductor.config has no option {name!r}; options: "
+                             f"{sorted([*_CHOICES, 'max_spin'])}")
+    if name in _CHOICES and value not in _CHOICES[name]:
+        raise ValueError(f"dash_inductor.config.{name} must be one of {_CHOICES[name]}, got {value!r}")
+    if name == "max_spin" and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"dash_inductor.config.max_spin must be a positive int, got {value!r}")
+    assert hasattr(module, name)
+
+
+def get(name: str) -> object:
+    """The current value of option ``name``, validated (catches typos assigned by hand)."""
+    value = getattr(sys.modules[__name__], name)
+    _check(name, value)
+    return value
+
+
+@contextlib.contextmanager
+def patch(**options: object) -> Iterator[None]:
+    """Set options for the duration of a ``with`` block, restoring them afterwards."""
+    module = sys.modules[__name__]
+    for name, value in options.items():
+        _check(name, value)
+    saved = {name: getattr(module, name) for name in options}
+    try:
+        for name, value in options.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)

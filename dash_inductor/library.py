@@ -1,0 +1,203 @@
+"""The ``dash::attention`` custom ops: schemas, fake kernels, autograd and per-device kernels.
+
+``dash::attention`` returns (out, logsumexp) with SDPA's semantics (logsumexp in float32, float64
+for float64 inputs so that float64 gradients stay exact); its backward is the separate op
+``dash::attention_backward`` (and ``dash::attention_mask_grad`` for a float mask that requires grad),
+so that AOTAutograd and Inductor see three opaque, deterministic ops. Kernels by device:
+
+- CUDA: the Triton kernels of ``dash_inductor.ops`` for float16/bfloat16/float32; float64 and the
+  mask gradient run the blocked PyTorch reference on the GPU (same semantics, deterministic, slower).
+- CPU: ``reference.py``, or with ``config.cpu_backend = "triton"`` the Triton kernels through the
+  Triton interpreter (for tests; float64 stays on the reference).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import config, reference
+from .shapes import Canonical, canonicalize, empty_like_layout
+
+
+def _uses_triton(t: Tensor) -> bool:
+    if t.dtype == torch.float64:
+        return False
+    if t.device.type == "cuda":
+        return True
+    return t.device.type == "cpu" and config.get("cpu_backend") == "triton"
+
+
+def _ops():
+    """The Triton layer, imported on first use so that importing dash_inductor stays cheap."""
+    from . import ops
+
+    return ops
+
+
+def _schedule() -> str:
+    schedule = str(config.get("schedule"))
+    if schedule == "atomic":
+        # Raises under torch.use_deterministic_algorithms(True), warns under warn_only=True.
+        torch._C._alert_not_deterministic(
+            "dash.attention backward with dash_inductor.config.schedule='atomic'")
+    return schedule
+
+
+def _allocate_forward(c: Canonical) -> tuple[Tensor, Tensor]:
+    b, h, l, _ = c.q.shape
+    out = empty_like_layout(c.q, (b, h, l, c.v.shape[-1]))
+    lse = torch.empty((b, h, l), dtype=reference.accumulation_dtype(c.q.dtype), device=c.q.device)
+    return out, lse
+
+
+def _allocate_grads(c: Canonical) -> tuple[Tensor, Tensor, Tensor]:
+    return (empty_like_layout(c.q, tuple(c.q.shape)), empty_like_layout(c.k, tuple(c.k.shape)),
+            empty_like_layout(c.v, tuple(c.v.shape)))
+
+
+def _grads_to_inputs(c: Canonical, grads: tuple[Tensor, Tensor, Tensor], q: Tensor, k: Tensor,
+                     v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = grads
+    return c.reduce_grad(dq, q), c.reduce_grad(dk, k), c.reduce_grad(dv, v)
+
+
+def _as_canonical_out(c: Canonical, t: Tensor) -> Tensor:
+    """``out`` / ``grad_out`` / ``logsumexp`` as given by the caller, in the 4-D (or 3-D) form."""
+    return t.unsqueeze(0) if c.three_d else t
+
+
+@torch.library.custom_op("dash::attention", mutates_args=())
+def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+                 is_causal: bool = False, scale: float | None = None,
+                 enable_gqa: bool = False) -> tuple[Tensor, Tensor]:
+    raise NotImplementedError(f"dash.attention has no kernel for device {q.device.type!r}; "
+                              f"supported: cpu, cuda")
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    out, lse = _allocate_forward(c)
+    return c.squeeze(out), c.squeeze(lse)
+
+
+@attention_op.register_kernel(("cpu", "cuda"))
+def _attention_kernel(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    out, lse = _allocate_forward(c)
+    if out.numel() == 0 or c.k.shape[2] == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+    elif _uses_triton(q):
+        _ops().attention_forward(c.q, c.k, c.v, c.mask, out, lse, is_causal=c.is_causal,
+                                 scale=c.scale)
+    else:
+        ref_out, ref_lse = reference.attention_forward(c.q, c.k, c.v, c.mask, c.is_causal, c.scale)
+        out.copy_(ref_out)
+        lse.copy_(ref_lse)
+    return c.squeeze(out), c.squeeze(lse)
+
+
+@torch.library.custom_op("dash::attention_backward", mutates_args=())
+def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                          logsumexp: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                          scale: float | None, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
+    raise NotImplementedError(f"dash.attention_backward has no kernel for device "
+                              f"{q.device.type!r}; supported: cpu, cuda")
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
+                             enable_gqa):
+    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    return _grads_to_inputs(c, _allocate_grads(c), q, k, v)
+
+
+@attention_backward_op.register_kernel(("cpu", "cuda"))
+def _attention_backward_kernel(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
+                               enable_gqa):
+    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    grads = _allocate_grads(c)
+    do4, out4, lse4 = (_as_canonical_out(c, t) for t in (grad_out, out, logsumexp))
+    if any(g.numel() == 0 for g in grads) or c.q.shape[2] == 0 or c.k.shape[2] == 0:
+        for g in grads:
+            g.zero_()
+    elif _uses_triton(q):
+        _ops().attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask, *grads,
+                                  is_causal=c.is_causal, scale=c.scale, schedule=_schedule(),
+                                  max_spin=int(config.get("max_spin")))
+    else:
+        for g, r in zip(grads, reference.attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask,
+                                                            c.is_causal, c.scale)):
+            g.copy_(r)
+    return _grads_to_inputs(c, grads, q, k, v)
+
+
+@torch.library.custom_op("dash::attention_mask_grad", mutates_args=())
+def attention_mask_grad_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                           logsumexp: Tensor, attn_mask: Tensor, scale: float | None,
+                           enable_gqa: bool) -> Tensor:
+    """Gradient of an additive float mask (a learned bias), summed over its broadcast dims.
+
+    Runs the blocked reference on every device (deterministic; it materialises (B, H, L, S), which
+    the mask itself already is).
+    """
+    c = canonicalize(q, k, v, attn_mask, False, scale, enable_gqa)
+    do4, out4, lse4 = (_as_canonical_out(c, t) for t in (grad_out, out, logsumexp))
+    grad = reference.attention_mask_grad(do4, c.q, c.k, c.v, out4, lse4, c.mask, False, c.scale)
+    return c.reduce_grad(grad, attn_mask).to(attn_mask.dtype)
+
+
+@attention_mask_grad_op.register_fake
+def _attention_mask_grad_fake(grad_out, q, k, v, out, logsumexp, attn_mask, scale, enable_gqa):
+    canonicalize(q, k, v, attn_mask, False, scale, enable_gqa)
+    return torch.empty(attn_mask.shape, dtype=attn_mask.dtype, device=attn_mask.device)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, attn_mask, is_causal, scale, enable_gqa = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.is_causal, ctx.scale, ctx.enable_gqa = is_causal, scale, enable_gqa
+
+
+def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, ctx.is_causal,
+                                       ctx.scale, ctx.enable_gqa)
+    dmask = None
+    if attn_mask is not None and ctx.needs_input_grad[3]:
+        dmask = attention_mask_grad_op(grad_out, q, k, v, out, lse, attn_mask, ctx.scale,
+                                       ctx.enable_gqa)
+    return dq, dk, dv, dmask, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+              is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False) -> Tensor:
+    """Deterministic ``scaled_dot_product_attention`` (same signature, no dropout)."""
+    return attention_op(query, key, value, attn_mask, is_causal, scale, enable_gqa)[0]
+
+
+def unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,
+                       is_causal: bool = False, scale: float | None = None,
+                       enable_gqa: bool = False) -> str | None:
+    """Why ``dash::attention`` cannot take this SDPA call (None when it can). Works on fake tensors."""
+    if dropout_p:
+        return f"dropout_p={dropout_p} > 0: dash.attention has no dropout"
+    if not all(isinstance(t, Tensor) for t in (query, key, value)):
+        return "query, key and value must be tensors"
+    if query.device.type not in ("cpu", "cuda"):
+        return f"device {query.device.type!r} is not supported (cpu, cuda)"
+    try:
+        canonicalize(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    except ValueError as error:
+        return str(error)
+    return None

@@ -1,0 +1,138 @@
+"""Deterministic blocked attention in plain PyTorch: the CPU kernel and the tests' readable twin.
+
+Same algorithm as the Triton kernels, written for reading: the forward walks KV blocks in ascending
+order with an online softmax; the backward recomputes the probabilities from the logsumexp, block by
+block, and adds every partial sum in a fixed order. Accumulation is in float32 (float64 for float64
+inputs), so the result depends only on the inputs, never on timing.
+
+All functions take the canonical 4-D form that ``library.py`` produces: q (B, Hq, L, E),
+k (B, Hkv, S, E), v (B, Hkv, S, Ev) with Hq a multiple of Hkv, and ``mask`` None or a bool
+(True = attend) / additive float tensor broadcastable to (B, Hq, L, S).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+#: KV block size of the online softmax. Any value gives the same function up to rounding; a fixed
+#: one gives the same bits every time.
+BLOCK = 64
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything narrower accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _kv_for_query_heads(t: Tensor, n_query_heads: int) -> Tensor:
+    """View KV heads per query head (GQA: query head h reads KV head h // group), no copy."""
+    b, h_kv, s, d = t.shape
+    group = n_query_heads // h_kv
+    return t[:, :, None].expand(b, h_kv, group, s, d).reshape(b, n_query_heads, s, d)
+
+
+def _scores(q: Tensor, k_block: Tensor, mask: Tensor | None, is_causal: bool, scale: float,
+            start: int) -> Tensor:
+    """Scaled scores of all queries against keys [start, start + block), with masking applied."""
+    s = torch.matmul(q, k_block.transpose(-1, -2)) * scale
+    if mask is not None:
+        m = mask[..., start:start + k_block.shape[-2]]
+        s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.to(s.dtype)
+    if is_causal:
+        rows = torch.arange(q.shape[-2], device=q.device)[:, None]
+        cols = torch.arange(start, start + k_block.shape[-2], device=q.device)[None, :]
+        s = s.masked_fill(cols > rows, -math.inf)
+    return s
+
+
+def _expand_mask(mask: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
+    return None if mask is None else mask.expand(shape)
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+                      scale: float) -> tuple[Tensor, Tensor]:
+    """Returns ``out`` (B, Hq, L, Ev) in q's dtype and ``lse`` (B, Hq, L) in the accumulation dtype.
+
+    Rows that see no key get ``out = 0`` and ``lse = -inf``, as SDPA's math backend does.
+    """
+    acc = accumulation_dtype(q.dtype)
+    b, h, l, _ = q.shape
+    qa = q.to(acc)
+    ka, va = _kv_for_query_heads(k, h).to(acc), _kv_for_query_heads(v, h).to(acc)
+    mask = _expand_mask(mask, (b, h, l, k.shape[-2]))
+    row_max = torch.full((b, h, l, 1), -math.inf, dtype=acc, device=q.device)
+    row_sum = torch.zeros((b, h, l, 1), dtype=acc, device=q.device)
+    out = torch.zeros((b, h, l, v.shape[-1]), dtype=acc, device=q.device)
+    for start in range(0, k.shape[-2], BLOCK):
+        s = _scores(qa, ka[:, :, start:start + BLOCK], mask, is_causal, scale, start)
+        new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
+        # Rows that have seen no key yet keep a -inf maximum; shift them by 0 instead (no NaN).
+        shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+        p = torch.exp(s - shift)
+        correction = torch.exp(row_max - shift)
+        row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
+        out = out * correction + torch.matmul(p, va[:, :, start:start + BLOCK])
+        row_max = new_max
+    seen = row_sum > 0
+    out = torch.where(seen, out / torch.where(seen, row_sum, torch.ones_like(row_sum)), 0.0)
+    lse = torch.where(seen, row_max + torch.log(row_sum), -math.inf).squeeze(-1)
+    return out.to(q.dtype), lse
+
+
+def _probabilities(s: Tensor, lse: Tensor) -> Tensor:
+    """exp(s - lse) with rows of lse = -inf (no key seen) giving probability 0, not NaN."""
+    safe = torch.where(torch.isinf(lse), torch.full_like(lse, math.inf), lse)
+    return torch.exp(s - safe[..., None])
+
+
+def _blocked_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                      mask: Tensor | None, is_causal: bool, scale: float, want_mask_grad: bool):
+    """Per-query-head (dq, dk, dv, dmask), KV blocks in ascending order, in the accumulation dtype."""
+    acc = accumulation_dtype(q.dtype)
+    b, h, l, _ = q.shape
+    s_len = k.shape[-2]
+    qa, doa = q.to(acc), grad_out.to(acc)
+    ka, va = _kv_for_query_heads(k, h).to(acc), _kv_for_query_heads(v, h).to(acc)
+    mask = _expand_mask(mask, (b, h, l, s_len))
+    lse = lse.to(acc)
+    delta = (doa * out.to(acc)).sum(dim=-1, keepdim=True)
+    dq = torch.zeros_like(qa)
+    dk = torch.zeros_like(ka)
+    dv = torch.zeros_like(va)
+    dmask = torch.zeros((b, h, l, s_len), dtype=acc, device=q.device) if want_mask_grad else None
+    for start in range(0, s_len, BLOCK):
+        kb, vb = ka[:, :, start:start + BLOCK], va[:, :, start:start + BLOCK]
+        p = _probabilities(_scores(qa, kb, mask, is_causal, scale, start), lse)
+        dp = torch.matmul(doa, vb.transpose(-1, -2))
+        ds = p * (dp - delta)
+        dv[:, :, start:start + BLOCK] = torch.matmul(p.transpose(-1, -2), doa)
+        dk[:, :, start:start + BLOCK] = torch.matmul(ds.transpose(-1, -2), qa) * scale
+        dq += torch.matmul(ds, kb) * scale
+        if dmask is not None:
+            dmask[..., start:start + BLOCK] = ds
+    return dq, dk, dv, dmask
+
+
+def _sum_query_heads(t: Tensor, n_kv_heads: int) -> Tensor:
+    """Sum per-query-head KV gradients over each GQA group, in a fixed order."""
+    b, h, s, d = t.shape
+    return t.view(b, n_kv_heads, h // n_kv_heads, s, d).sum(dim=2)
+
+
+def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       mask: Tensor | None, is_causal: bool, scale: float
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) in the dtypes of q, k, v."""
+    dq, dk, dv, _ = _blocked_backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, False)
+    h_kv = k.shape[1]
+    return (dq.to(q.dtype), _sum_query_heads(dk, h_kv).to(k.dtype),
+            _sum_query_heads(dv, h_kv).to(v.dtype))
+
+
+def attention_mask_grad(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        mask: Tensor, is_causal: bool, scale: float) -> Tensor:
+    """Gradient of an additive float mask, (B, Hq, L, S) in float32/float64 (before broadcast sums)."""
+    return _blocked_backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, True)[3]

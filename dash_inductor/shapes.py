@@ -1,0 +1,155 @@
+"""Validation and canonical form of ``dash::attention``'s arguments, with SDPA's semantics.
+
+Everything here works on real and fake tensors alike (only shapes, strides, dtypes and devices are
+read), so the fake kernels raise the same errors at trace time and allocate outputs with the same
+strides as the real kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Largest head dim (E and Ev) of the CUDA kernels.
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class Canonical:
+    """Arguments in the 4-D form the kernels take, plus what is needed to map results back.
+
+    ``q`` (B, H, L, E), ``k`` (B, Hkv, S, E), ``v`` (B, Hkv, S, Ev) and ``mask`` (B, H, L, S) may be
+    ``expand``-ed views of the caller's tensors (zero strides on broadcast dims); gradients computed for
+    them are summed back to the caller's shapes by ``reduce_grad``.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Tensor | None
+    is_causal: bool
+    scale: float
+    three_d: bool
+
+    def squeeze(self, t: Tensor) -> Tensor:
+        """Drop the batch dim that 3-D inputs were given."""
+        return t.squeeze(0) if self.three_d else t
+
+    def reduce_grad(self, grad4: Tensor, original: Tensor) -> Tensor:
+        """Sum a gradient of an expanded 4-D view back to the caller's tensor shape, in a fixed order."""
+        grad = self.squeeze(grad4)
+        return grad if grad.shape == original.shape else grad.sum_to_size(original.shape)
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"dash.attention: {message}")
+
+
+def _check_tensors(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, Tensor):
+            _fail(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            _fail(f"{name} is a nested tensor; nested (jagged) inputs are not supported")
+        if t.dim() not in (3, 4):
+            _fail(f"{name} must be 3-D (H, L, E) or 4-D (B, H, L, E), got {t.dim()}-D shape "
+                  f"{tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            _fail(f"{name} has dtype {t.dtype}; expected a floating dtype "
+                  f"(float16, bfloat16, float32 or float64)")
+    if not q.dim() == k.dim() == v.dim():
+        _fail(f"query, key and value must have the same rank, got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
+    if not q.dtype == k.dtype == v.dtype:
+        _fail(f"query, key and value must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        _fail(f"query, key and value must be on the same device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[-1] != k.shape[-1]:
+        _fail(f"query and key must have the same head dim E, got query (..., L, {q.shape[-1]}) and "
+              f"key (..., S, {k.shape[-1]})")
+    if k.shape[:-1] != v.shape[:-1]:
+        _fail(f"key (..., S, E) and value (..., S, Ev) must agree on all dims but the last, got key "
+              f"{tuple(k.shape)} and value {tuple(v.shape)}")
+    if q.shape[-1] == 0:
+        _fail("the head dim E of query and key must be at least 1")
+    if q.device.type == "cuda" and max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        _fail(f"head dims up to {MAX_HEAD_DIM} are supported on CUDA, got E={q.shape[-1]}, "
+              f"Ev={v.shape[-1]}")
+
+
+def _broadcast(name: str, a: int, b: int) -> int:
+    if a != b and a != 1 and b != 1:
+        _fail(f"{name} of query ({a}) and key/value ({b}) must match or one of them be 1")
+    return max(a, b)
+
+
+def _head_counts(hq: int, hkv: int, enable_gqa: bool) -> tuple[int, int]:
+    """(output heads, KV heads as the kernels see them)."""
+    if enable_gqa:
+        if hkv == 0 or hq % hkv != 0:
+            _fail(f"with enable_gqa=True the number of query heads ({hq}) must be a multiple of the "
+                  f"number of key/value heads ({hkv})")
+        return hq, hkv
+    if hq == hkv or hkv == 1:
+        return hq, hkv  # one KV head broadcasts to every query head: a GQA group of all heads
+    if hq == 1:
+        return hkv, hkv
+    _fail(f"query has {hq} heads and key/value {hkv}; they must match, key/value must have 1 head, "
+          f"or pass enable_gqa=True with query heads a multiple of key/value heads")
+    raise AssertionError  # unreachable, for type checkers
+
+
+def _check_mask(mask: Tensor, q: Tensor, target: tuple[int, ...], is_causal: bool) -> None:
+    if not isinstance(mask, Tensor):
+        _fail(f"attn_mask must be a Tensor or None, got {type(mask).__name__}")
+    if is_causal:
+        _fail("attn_mask must be None when is_causal=True (as in scaled_dot_product_attention)")
+    if mask.dtype not in (torch.bool, torch.float32, q.dtype):
+        _fail(f"attn_mask must be bool (True = attend) or a float mask of dtype float32 or {q.dtype} "
+              f"(the query's), got {mask.dtype}")
+    if mask.device != q.device:
+        _fail(f"attn_mask is on {mask.device} but query is on {q.device}")
+    if mask.dim() > len(target) or any(m not in (1, t) for m, t in zip(reversed(mask.shape),
+                                                                          reversed(target))):
+        _fail(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to the attention shape "
+              f"{target} ((B, H, L, S), or (H, L, S) for 3-D inputs)")
+
+
+def canonicalize(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+                 is_causal: bool = False, scale: float | None = None,
+                 enable_gqa: bool = False) -> Canonical:
+    """Validate SDPA-style arguments and bring them to the kernels' 4-D form (views, no copies)."""
+    _check_tensors(q, k, v)
+    three_d = q.dim() == 3
+    q4, k4, v4 = (t.unsqueeze(0) if three_d else t for t in (q, k, v))
+    batch = _broadcast("the batch size", q4.shape[0], k4.shape[0])
+    heads, kv_heads = _head_counts(q4.shape[1], k4.shape[1], enable_gqa)
+    l, s = q4.shape[2], k4.shape[2]
+    target = (batch, heads, l, s)
+    if attn_mask is not None:
+        _check_mask(attn_mask, q, target[1:] if three_d else target, is_causal)
+    if scale is not None and not math.isfinite(scale):
+        _fail(f"scale must be a finite float or None (1/sqrt(E)), got {scale}")
+    return Canonical(
+        q=q4.expand(batch, heads, l, q4.shape[3]),
+        k=k4.expand(batch, kv_heads, s, k4.shape[3]),
+        v=v4.expand(batch, kv_heads, s, v4.shape[3]),
+        mask=None if attn_mask is None else attn_mask.expand(target),
+        is_causal=bool(is_causal),
+        scale=float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        three_d=three_d,
+    )
+
+
+def empty_like_layout(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
+                      ) -> Tensor:
+    """An empty 4-D (B, H, L, D) tensor laid out as ``like``: (B, L, H, D) in memory when ``like`` is
+    a transposed (B, L, H, D) view, as models pass, and contiguous otherwise."""
+    dtype = like.dtype if dtype is None else dtype
+    b, h, l, d = shape
+    if like.stride(1) < like.stride(2):
+        return torch.empty((b, l, h, d), dtype=dtype, device=like.device).transpose(1, 2)
+    return torch.empty(shape, dtype=dtype, device=like.device)

@@ -1,0 +1,17 @@
+"""Triton kernels of dash_inductor and their launchers (imported as ``dash_inductor.ops``).
+
+This layer knows Triton and tensors only: no torch.library, no autograd. The caller
+(``dash_inductor/library.py``) validates and canonicalises the inputs and allocates the outputs:
+
+- ``q`` (B, Hq, L, E), ``k`` (B, Hkv, S, E), ``v`` (B, Hkv, S, Ev), any strides, one float dtype;
+  ``Hq % Hkv == 0`` and query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+- ``mask``: None, or a bool (True = attend) or additive float tensor of shape (B, Hq, L, S), usually
+  an ``expand``-ed view with zero strides on broadcast dims.
+- ``is_causal``: SDPA's top-left alignment, query i sees keys j <= i.
+- ``lse``: natural-log logsumexp, fp32 (B, Hq, L); -inf on rows that see no key.
+"""
+
+from .backward import attention_backward
+from .forward import attention_forward
+
+__all__ = ["attention_forward", "attention_backward"]
