@@ -19,6 +19,7 @@ Fixtures:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator
 
 import pytest
@@ -44,29 +45,32 @@ def _register_hypothesis_profiles() -> None:
 _register_hypothesis_profiles()
 
 
-def _saved_mode() -> tuple[bool, bool]:
+@contextlib.contextmanager
+def deterministic_algorithms_mode(enabled: bool = True, warn_only: bool = False) -> Iterator[None]:
+    """Set ``torch.use_deterministic_algorithms`` inside the block, restore the old mode after."""
     import torch
 
-    return (torch.are_deterministic_algorithms_enabled(),
-            torch.is_deterministic_algorithms_warn_only_enabled())
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
 
 
 @pytest.fixture
 def restore_deterministic_algorithms() -> Iterator[None]:
-    """Restore ``torch.use_deterministic_algorithms`` to its state before the test."""
+    """Let the test change ``torch.use_deterministic_algorithms``; restore it afterwards."""
     import torch
 
-    enabled, warn_only = _saved_mode()
-    try:
+    with deterministic_algorithms_mode(torch.are_deterministic_algorithms_enabled(),
+                                       torch.is_deterministic_algorithms_warn_only_enabled()):
         yield
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 @pytest.fixture
-def deterministic_algorithms(restore_deterministic_algorithms: None) -> Iterator[None]:
+def deterministic_algorithms() -> Iterator[None]:
     """Run the test with ``torch.use_deterministic_algorithms(True)`` (strict), then restore."""
-    import torch
-
-    torch.use_deterministic_algorithms(True)
-    yield
+    with deterministic_algorithms_mode(True):
+        yield
