@@ -1,0 +1,354 @@
+"""The DASH DAG model of the deterministic attention backward, in plain Python (no torch, no triton).
+
+Qiang et al., "DASH: Deterministic Attention Scheduling for High-throughput Reproducible LLM
+Training" (arXiv 2601.21824, ICLR 2026) model the backward as chains of tasks, one chain per KV
+tile: for every Q tile it visits, a compute of cost ``c`` and then the ordered dQ reduction of
+cost ``r``, which may start only once the previous contribution to that Q tile (by rank) is added.
+This module holds the schedule formulas (the twin of ``ops/schedules.py``, same names, same
+arithmetic), their tables, a simulator of the DAG on a persistent grid, a validator, and the
+closed-form critical paths. It also draws the figures in ``docs/``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+SCHEDULES = ("ascending", "descending", "shift", "recompute", "atomic")
+
+#: Schedules whose dQ reduction follows a fixed order enforced by waits.
+ORDERED = ("ascending", "descending", "shift")
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+
+
+def _check_tiles(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+# ---- the formulas: twins of the @triton.jit functions in ops/schedules.py -----------------------
+
+def num_slots(causal: bool, schedule: str) -> int:
+    """KV tiles per work item: 2 for causal shift (KV tiles i and n_kv-1-i share a program), else 1."""
+    _check_schedule(schedule)
+    return 2 if causal and schedule == "shift" else 1
+
+
+def items_per_head(n_kv: int, causal: bool, schedule: str) -> int:
+    """Work items per (batch, KV head)."""
+    _check_schedule(schedule)
+    _check_tiles("n_kv", n_kv)
+    return (n_kv + 1) // 2 if causal and schedule == "shift" else n_kv
+
+
+def needs_coresident_head(schedule: str) -> bool:
+    """True when a head's work items wait on each other both ways (shift): they must run at once."""
+    _check_schedule(schedule)
+    return schedule == "shift"
+
+
+def slot_kv_tile(item: int, slot: int, n_kv: int, causal: bool, schedule: str) -> int:
+    """KV tile processed by work ``item`` in ``slot``; -1 when that slot is empty."""
+    if causal and schedule == "shift":
+        partner = n_kv - 1 - item
+        return item if slot == 0 else (partner if partner > item else -1)
+    return item if slot == 0 else -1
+
+
+def visit_count(kv: int, n_q: int, causal: bool) -> int:
+    """Number of Q tiles KV tile ``kv`` interacts with (causal, top-left: Q tiles kv..n_q-1)."""
+    return max(n_q - kv, 0) if causal else n_q
+
+
+def _causal_shift_split(n_q: int, n_kv: int) -> tuple[int, int, int]:
+    """(first paired KV tile, first row of the dense rectangle, its height) of causal shift."""
+    half = (n_kv + 1) // 2
+    rect_row = min(n_kv // 2, n_q)
+    return half, rect_row, n_q - rect_row
+
+
+def q_tile_at(step: int, kv: int, n_q: int, n_kv: int, causal: bool, schedule: str) -> int:
+    """The Q tile that KV tile ``kv`` visits at ``step`` (0 <= step < visit_count)."""
+    if schedule == "descending":
+        return n_q - 1 - step
+    if schedule == "shift":
+        if causal:
+            half, rect_row, height = _causal_shift_split(n_q, n_kv)
+            if kv >= half:
+                return n_q - 1 - step
+            if step < height:
+                return rect_row + (kv + step) % height
+            return kv + step - height
+        return (kv % n_q + step) % n_q
+    return kv + step if causal else step
+
+
+def _cyclic_rank(a: int, kv: int, count: int, width: int) -> int:
+    """Rank of kv among 0..count-1 ordered by ((a - kv') mod width, kv'), 0 <= a < width."""
+    arrival = (a - kv % width + width) % width
+    rounds, rest = divmod(count, width)
+    lo = a - arrival + 1
+    top = min(a + 1, rest)
+    earlier = max(top - lo, 0) if lo >= 0 else top + max(rest - (lo + width), 0)
+    return rounds * arrival + earlier + kv // width
+
+
+def reduction_rank(q: int, kv: int, n_q: int, n_kv: int, causal: bool, schedule: str) -> int:
+    """0-based position of KV tile ``kv``'s contribution in Q tile ``q``'s dQ reduction order."""
+    if schedule == "shift":
+        if causal:
+            half, rect_row, height = _causal_shift_split(n_q, n_kv)
+            if q < rect_row:
+                return q - kv
+            return _cyclic_rank(q - rect_row, kv, half, height) if kv < half else kv
+        return _cyclic_rank(q, kv, n_kv, n_q)
+    return kv
+
+
+# ---- tables ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Step:
+    """One visit of a KV tile to a Q tile: a compute, then the dQ add at position ``rank``."""
+
+    head: int
+    qhead: int
+    q: int
+    kv: int
+    rank: int
+
+
+def q_order(kv: int, n_q: int, n_kv: int, causal: bool, schedule: str) -> list[int]:
+    """The Q tiles KV tile ``kv`` visits, in visiting order."""
+    return [q_tile_at(t, kv, n_q, n_kv, causal, schedule) for t in range(visit_count(kv, n_q, causal))]
+
+
+def rank_table(n_q: int, n_kv: int, causal: bool, schedule: str) -> dict[tuple[int, int], int]:
+    """Reduction rank of every needed (q, kv) pair."""
+    return {(q, kv): reduction_rank(q, kv, n_q, n_kv, causal, schedule)
+            for q in range(n_q) for kv in range(n_kv) if not causal or q >= kv}
+
+
+def item_steps(item: int, n_q: int, n_kv: int, causal: bool, schedule: str, *,
+               head: int = 0, group: int = 1) -> list[Step]:
+    """The steps of one work item in kernel loop order: slot, then query head, then step."""
+    steps = []
+    for slot in range(num_slots(causal, schedule)):
+        kv = slot_kv_tile(item, slot, n_kv, causal, schedule)
+        if kv < 0:
+            continue
+        for qhead in range(group):
+            for q in q_order(kv, n_q, n_kv, causal, schedule):
+                steps.append(Step(head, qhead, q, kv, reduction_rank(q, kv, n_q, n_kv, causal, schedule)))
+    return steps
+
+
+def program_plans(schedule: str, *, n_tiles: int, n_heads: int, programs: int, causal: bool,
+                  group: int = 1, n_q_tiles: int | None = None) -> list[list[Step]]:
+    """Steps of every program of a persistent grid: program p takes items p, p+P, ... head-major."""
+    n_q = n_tiles if n_q_tiles is None else n_q_tiles
+    for name, value in (("n_tiles", n_tiles), ("n_q_tiles", n_q), ("n_heads", n_heads),
+                        ("programs", programs), ("group", group)):
+        _check_tiles(name, value)
+    per_head = items_per_head(n_tiles, causal, schedule)
+    plans: list[list[Step]] = [[] for _ in range(programs)]
+    for index in range(n_heads * per_head):
+        head, item = divmod(index, per_head)
+        plans[index % programs] += item_steps(item, n_q, n_tiles, causal, schedule, head=head, group=group)
+    return plans
+
+
+# ---- the DAG simulator ----------------------------------------------------------------------------
+
+class WaitCycleError(RuntimeError):
+    """The programs of a schedule wait on each other in a cycle: the kernel would hang."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One task on a program's timeline; kind is "compute", "reduce" or "dq" (recompute's dQ pass)."""
+
+    kind: str
+    start: float
+    end: float
+    head: int
+    q: int
+    kv: int
+
+
+@dataclass
+class Simulation:
+    """Result of :func:`simulate`: makespan, per-program busy/stall time and timelines."""
+
+    makespan: float
+    busy: list[float]
+    stall: list[float] = field(repr=False)
+    timelines: list[list[Segment]] = field(repr=False)
+
+    @property
+    def idle(self) -> list[float]:
+        """Per program: time not spent computing or reducing (waits, and the tail after it ends)."""
+        return [self.makespan - b for b in self.busy]
+
+
+def _run(plans: list[list[Step]], ordered: bool, c: float, r: float, t0: float = 0.0,
+         kind: str = "compute") -> Simulation:
+    """Longest-path times of the DAG: per program a chain of tasks, per Q tile a rank order."""
+    n = len(plans)
+    clock, pos = [t0] * n, [0] * n
+    computed: list[float | None] = [None] * n
+    tiles: dict[tuple[int, int, int], tuple[int, float]] = {}
+    waiting: dict[tuple[int, int, int, int], int] = {}
+    timelines: list[list[Segment]] = [[] for _ in range(n)]
+    stall = [0.0] * n
+    ready = list(range(n))
+    while ready:
+        p = ready.pop()
+        plan, line = plans[p], timelines[p]
+        while pos[p] < len(plan):
+            s = plan[pos[p]]
+            if computed[p] is None:
+                computed[p] = clock[p] + c
+                line.append(Segment(kind, clock[p], clock[p] + c, s.head, s.q, s.kv))
+            tile = (s.head, s.qhead, s.q)
+            expected, last = tiles.get(tile, (0, t0))
+            if ordered and expected != s.rank:
+                waiting[(*tile, s.rank)] = p
+                break
+            start = max(computed[p], last) if ordered else computed[p]
+            stall[p] += start - computed[p]
+            if r > 0:
+                line.append(Segment("reduce", start, start + r, s.head, s.q, s.kv))
+            tiles[tile] = (expected + 1, start + r)
+            clock[p], computed[p] = start + r, None
+            pos[p] += 1
+            woken = waiting.pop((*tile, expected + 1), None)
+            if woken is not None:
+                ready.append(woken)
+    stuck = [p for p in range(n) if pos[p] < len(plans[p])]
+    if stuck:
+        blocked = [(p, plans[p][pos[p]]) for p in stuck[:4]]
+        raise WaitCycleError(f"{len(stuck)} programs wait forever, e.g. (program, step): {blocked}")
+    makespan = max(clock, default=t0)
+    busy = [sum(seg.end - seg.start for seg in line) for line in timelines]
+    return Simulation(makespan, busy, stall, timelines)
+
+
+def _dq_pass_plans(n_q: int, n_kv: int, n_heads: int, programs: int, causal: bool,
+                   group: int) -> list[list[Step]]:
+    """recompute's second kernel: one item per (head, query head, Q tile) over its KV tiles."""
+    plans: list[list[Step]] = [[] for _ in range(programs)]
+    index = 0
+    for head in range(n_heads):
+        for qhead in range(group):
+            for q in range(n_q):
+                kvs = range(min(q + 1, n_kv) if causal else n_kv)
+                plans[index % programs] += [Step(head, qhead, q, kv, 0) for kv in kvs]
+                index += 1
+    return plans
+
+
+def simulate(schedule: str, *, n_tiles: int, n_heads: int, programs: int, causal: bool,
+             c: float = 1.0, r: float = 0.25, group: int = 1, n_q_tiles: int | None = None) -> Simulation:
+    """Simulate the DAG of one backward on a persistent grid of ``programs`` programs.
+
+    ``n_tiles`` KV tiles and ``n_q_tiles`` (default ``n_tiles``) Q tiles per head, ``n_heads``
+    (batch x KV head) pairs, ``group`` query heads per KV head. ``atomic`` reduces without order;
+    ``recompute`` runs a KV pass without dQ, then a dQ pass that recomputes each pair (cost c).
+    Raises :class:`WaitCycleError` when the programs would wait on each other forever.
+    """
+    _check_schedule(schedule)
+    if not c > 0 or not r >= 0:
+        raise ValueError(f"costs must satisfy c > 0 and r >= 0, got c={c!r}, r={r!r}")
+    plans = program_plans(schedule, n_tiles=n_tiles, n_heads=n_heads, programs=programs,
+                          causal=causal, group=group, n_q_tiles=n_q_tiles)
+    if schedule != "recompute":
+        return _run(plans, schedule in ORDERED, c, r)
+    n_q = n_tiles if n_q_tiles is None else n_q_tiles
+    kv_pass = _run(plans, False, c, 0.0)
+    dq_plans = _dq_pass_plans(n_q, n_tiles, n_heads, programs, causal, group)
+    dq_pass = _run(dq_plans, False, c, 0.0, t0=kv_pass.makespan, kind="dq")
+    return Simulation(dq_pass.makespan, [a + b for a, b in zip(kv_pass.busy, dq_pass.busy)],
+                      [0.0] * programs, [a + b for a, b in zip(kv_pass.timelines, dq_pass.timelines)])
+
+
+# ---- validation and closed forms ------------------------------------------------------------------
+
+class ScheduleError(ValueError):
+    """A schedule misses or repeats a (q, kv) pair, or its ranks are not a permutation."""
+
+
+def check(schedule: str, *, n_tiles: int, causal: bool, n_q_tiles: int | None = None, group: int = 1,
+          programs: int | None = None, n_heads: int = 2) -> None:
+    """Raise unless every needed (q, kv) pair is visited exactly once (and no other), every KV
+    tile has exactly one owner, ranks are a permutation per Q tile, and ``programs`` programs
+    (default: the fewest allowed) finish without a wait cycle."""
+    n_q = n_tiles if n_q_tiles is None else n_q_tiles
+    _check_tiles("n_tiles", n_tiles)
+    _check_tiles("n_q_tiles", n_q)
+    per_head = items_per_head(n_tiles, causal, schedule)
+    fewest = per_head if needs_coresident_head(schedule) else 1
+    programs = fewest if programs is None else programs
+    if programs < fewest:
+        raise ValueError(f"programs must be >= {fewest} for {schedule!r} (a head's work items must "
+                         f"be co-resident), got {programs}")
+    owners = sorted(slot_kv_tile(i, s, n_tiles, causal, schedule)
+                    for i in range(per_head) for s in range(num_slots(causal, schedule)))
+    if [kv for kv in owners if kv >= 0] != list(range(n_tiles)):
+        raise ScheduleError(f"{schedule}: KV tiles are not owned exactly once: {owners}")
+    visits = [(s.q, s.kv) for i in range(per_head) for s in item_steps(i, n_q, n_tiles, causal, schedule)]
+    needed = sorted(rank_table(n_q, n_tiles, causal, schedule))
+    if sorted(visits) != needed:
+        raise ScheduleError(f"{schedule}: visited pairs differ from the needed ones "
+                            f"(n_q={n_q}, n_kv={n_tiles}, causal={causal})")
+    ranks: dict[int, list[int]] = {}
+    for (q, _), rank in rank_table(n_q, n_tiles, causal, schedule).items():
+        ranks.setdefault(q, []).append(rank)
+    for q, got in ranks.items():
+        if sorted(got) != list(range(len(got))):
+            raise ScheduleError(f"{schedule}: ranks of Q tile {q} are not 0..{len(got) - 1}: {sorted(got)}")
+    simulate(schedule, n_tiles=n_tiles, n_heads=n_heads, programs=programs, causal=causal,
+             group=group, n_q_tiles=n_q)
+
+
+def predicted_makespan(schedule: str, *, n_tiles: int, n_heads: int, programs: int, causal: bool,
+                       c: float = 1.0, r: float = 0.25, group: int = 1,
+                       n_q_tiles: int | None = None) -> float:
+    """DASH's closed-form critical paths, for k = programs // items_per_head groups of programs
+    that each take every k-th head (h' = ceil(n_heads / k) heads per group).
+
+    Exact in the model when ``programs`` is a multiple of ``items_per_head`` (shift, causal: also
+    ``group == 1``; recompute: also ``programs`` a multiple of ``n_q_tiles``); otherwise an
+    estimate — :func:`simulate` gives the model's value for any grid.
+        full:   shift h'g n_q (c+r) [+ (ceil(n_kv/n_q)-1) r when n_kv > n_q];
+                ascending, descending h'g n_q (c+r) + (n_kv-1) r;  atomic h'g n_q (c+r)
+        causal: shift h'g (n_q + n_q-n_kv+1) (c+r) (the paired items; n_q = n_kv = n gives
+                h'(n+1)(c+r), i.e. m(n+1)(c+r)/2 on n programs); ascending h'g n_q (c+r)
+                + (min(n_q, n_kv)-1) r; descending, atomic h'g n_q (c+r)
+        recompute: h'g n_q c for the KV pass + ceil(m g n_q / P) max_q(contributors) c for dQ.
+    """
+    n_q = n_tiles if n_q_tiles is None else n_q_tiles
+    _check_schedule(schedule)
+    for name, value in (("n_tiles", n_tiles), ("n_q_tiles", n_q), ("n_heads", n_heads),
+                        ("programs", programs), ("group", group)):
+        _check_tiles(name, value)
+    n_kv = n_tiles
+    per_head = items_per_head(n_kv, causal, schedule)
+    if needs_coresident_head(schedule) and programs < per_head:
+        raise ValueError(f"programs must be >= items_per_head = {per_head} for {schedule!r}, got {programs}")
+    heads = -(-n_heads // max(programs // per_head, 1)) * group
+    if schedule == "shift":
+        if causal:
+            paired = n_q + max(n_q - n_kv + 1, 0) if n_kv > 1 else n_q
+            return heads * paired * (c + r)
+        return heads * n_q * (c + r) + (-(-n_kv // n_q) - 1) * r
+    if schedule == "recompute":
+        contributors = min(n_q, n_kv) if causal else n_kv
+        return heads * n_q * c + -(-n_heads * group * n_q // programs) * contributors * c
+    skew = 0 if schedule == "atomic" or (causal and schedule == "descending") else \
+        (min(n_q, n_kv) if causal else n_kv) - 1
+    return heads * n_q * (c + r) + skew * r
