@@ -18,7 +18,7 @@ import triton.language as tl
 from . import schedules as sch
 from .configs import arch_key, auto_schedule, backward_config, head_dim_bucket
 from .launch import (coresident_programs, cooperative_launch_supported, dot_precision, interpreting,
-                     mask_kind, raise_if_spin_exceeded, warn_once)
+                     mask_kind, mm, raise_if_spin_exceeded, warn_once)
 
 LOG2E = 1.4426950408889634
 
@@ -139,7 +139,7 @@ def _backward_main_kernel(
                         do = tl.load(DO + do_base + rows[:, None] * stride_dm + offs_ev[None, :] * stride_de,
                                      mask=(rows[:, None] < L) & (offs_ev[None, :] < EV), other=0.0)
                         lse2, delta = _load_row_stats(LSE, DELTA, row_base, rows, L)
-                        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+                        s_t = mm(k, tl.trans(q), PRECISION) * qk_scale
                         s_t = _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn,
                                                MASK_KIND)
                         if CAUSAL:
@@ -147,12 +147,12 @@ def _backward_main_kernel(
                         p_t = tl.math.exp2(s_t - lse2[None, :])
                         if not EVEN_S:
                             p_t = tl.where(cols[:, None] < S, p_t, 0.0)
-                        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
-                        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+                        dv += mm(p_t.to(do.dtype), do, PRECISION)
+                        dp_t = mm(v, tl.trans(do), PRECISION)
                         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-                        dk += tl.dot(ds_t, q, input_precision=PRECISION)
+                        dk += mm(ds_t, q, PRECISION)
                         if COMPUTE_DQ:
-                            dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION) * sm_scale
+                            dq = mm(tl.trans(ds_t), k, PRECISION) * sm_scale
                             acc_ptrs = (DQACC + (bh.to(tl.int64) * l_pad + rows[:, None]) * HEAD_E
                                         + offs_e[None, :])
                             if ORDERED:
@@ -188,16 +188,16 @@ def _dq_tile_step(dq, q, do, lse2, delta, K, V, k_base, v_base, m_base, MASK, ro
                 mask=(cols[:, None] < S) & (offs_e[None, :] < E), other=0.0)
     v = tl.load(V + v_base + cols[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
                 mask=(cols[:, None] < S) & (offs_ev[None, :] < EV), other=0.0)
-    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+    s_t = mm(k, tl.trans(q), PRECISION) * qk_scale
     s_t = _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn, MASK_KIND)
     if CAUSAL:
         s_t = tl.where(cols[:, None] <= rows[None, :], s_t, float("-inf"))
     p_t = tl.math.exp2(s_t - lse2[None, :])
     if BOUNDS:
         p_t = tl.where(cols[:, None] < S, p_t, 0.0)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    dp_t = mm(v, tl.trans(do), PRECISION)
     ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-    return dq + tl.dot(tl.trans(ds_t), k, input_precision=PRECISION)
+    return dq + mm(tl.trans(ds_t), k, PRECISION)
 
 
 @triton.jit

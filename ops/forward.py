@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .configs import arch_key, forward_config, head_dim_bucket
-from .launch import dot_precision, mask_kind
+from .launch import dot_precision, mask_kind, mm
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -32,7 +32,7 @@ def _scores_tile(q, k_ptrs, mask_ptrs, offs_m, offs_n, start_n, L, S, qk_scale,
     cols = start_n + offs_n
     offs_e = tl.arange(0, HEAD_E)
     k = tl.load(k_ptrs + start_n * stride_kn, mask=(cols[None, :] < S) & (offs_e[:, None] < E), other=0.0)
-    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    s = mm(q, k, PRECISION) * qk_scale
     if MASK_KIND == MASK_BOOL:
         keep = tl.load(mask_ptrs + start_n * stride_mask_n,
                        mask=(offs_m[:, None] < L) & (cols[None, :] < S), other=0)
@@ -60,7 +60,7 @@ def _online_step(acc, m_i, l_i, s, v_ptrs, start_n, offs_n, S, stride_vn,
     offs_ev = tl.arange(0, HEAD_EV)
     cols = start_n + offs_n
     v = tl.load(v_ptrs + start_n * stride_vn, mask=(cols[:, None] < S) & (offs_ev[None, :] < EV), other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, PRECISION)
     return acc, m_new, l_i
 
 

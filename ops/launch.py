@@ -15,6 +15,7 @@ import warnings
 
 import torch
 import triton
+import triton.language as tl
 
 MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
 
@@ -24,11 +25,28 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# The CPU interpreter multiplies bf16 tiles as their raw 16-bit integers (Triton 3.9), so there the
+# kernels widen bf16 operands to fp32 first; the products of two bf16 values are exact in fp32.
+WIDEN_BF16 = "widen_bf16"
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: full fp32 unless torch allows TF32 for matmuls."""
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
+    if dtype == torch.bfloat16 and interpreting():
+        return WIDEN_BF16
     return "tf32"
+
+
+@triton.jit
+def mm(a, b, PRECISION: tl.constexpr):
+    """``tl.dot(a, b)`` with fp32 accumulation at the precision chosen by :func:`dot_precision`."""
+    if PRECISION == "widen_bf16":
+        product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        product = tl.dot(a, b, input_precision=PRECISION)
+    return product
 
 
 def mask_kind(mask: torch.Tensor | None) -> int:
