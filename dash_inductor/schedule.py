@@ -64,25 +64,23 @@ def visit_count(kv: int, n_q: int, causal: bool) -> int:
     return max(n_q - kv, 0) if causal else n_q
 
 
-def _causal_shift_split(n_q: int, n_kv: int) -> tuple[int, int, int]:
-    """(first paired KV tile, first row of the dense rectangle, its height) of causal shift."""
-    half = (n_kv + 1) // 2
-    rect_row = min(n_kv // 2, n_q)
-    return half, rect_row, n_q - rect_row
-
-
 def q_tile_at(step: int, kv: int, n_q: int, n_kv: int, causal: bool, schedule: str) -> int:
     """The Q tile that KV tile ``kv`` visits at ``step`` (0 <= step < visit_count)."""
     if schedule == "descending":
         return n_q - 1 - step
     if schedule == "shift":
         if causal:
-            half, rect_row, height = _causal_shift_split(n_q, n_kv)
+            half = (n_kv + 1) // 2
             if kv >= half:
                 return n_q - 1 - step
-            if step < height:
-                return rect_row + (kv + step) % height
-            return kv + step - height
+            # Left tiles climb their own rows kv..half-2, sweep the shared rows from the bottom
+            # up to half, and end on row half-1: every Q tile sees its contributors in an order
+            # that no GQA group size can reverse (see docs/schedules.md).
+            if step < min(half - 1, n_q) - kv:
+                return kv + step
+            if step < n_q - 1 - kv:
+                return n_q + half - 2 - kv - step
+            return half - 1
         return (kv % n_q + step) % n_q
     return kv + step if causal else step
 
@@ -101,10 +99,8 @@ def reduction_rank(q: int, kv: int, n_q: int, n_kv: int, causal: bool, schedule:
     """0-based position of KV tile ``kv``'s contribution in Q tile ``q``'s dQ reduction order."""
     if schedule == "shift":
         if causal:
-            half, rect_row, height = _causal_shift_split(n_q, n_kv)
-            if q < rect_row:
-                return q - kv
-            return _cyclic_rank(q - rect_row, kv, half, height) if kv < half else kv
+            half = (n_kv + 1) // 2
+            return min(q, half - 1) - kv if kv < half else kv
         return _cyclic_rank(q, kv, n_kv, n_q)
     return kv
 
@@ -176,6 +172,7 @@ class Segment:
     start: float
     end: float
     head: int
+    qhead: int
     q: int
     kv: int
 
@@ -213,7 +210,7 @@ def _run(plans: list[list[Step]], ordered: bool, c: float, r: float, t0: float =
             s = plan[pos[p]]
             if computed[p] is None:
                 computed[p] = clock[p] + c
-                line.append(Segment(kind, clock[p], clock[p] + c, s.head, s.q, s.kv))
+                line.append(Segment(kind, clock[p], clock[p] + c, s.head, s.qhead, s.q, s.kv))
             tile = (s.head, s.qhead, s.q)
             expected, last = tiles.get(tile, (0, t0))
             if ordered and expected != s.rank:
@@ -222,7 +219,7 @@ def _run(plans: list[list[Step]], ordered: bool, c: float, r: float, t0: float =
             start = max(computed[p], last) if ordered else computed[p]
             stall[p] += start - computed[p]
             if r > 0:
-                line.append(Segment("reduce", start, start + r, s.head, s.q, s.kv))
+                line.append(Segment("reduce", start, start + r, s.head, s.qhead, s.q, s.kv))
             tiles[tile] = (expected + 1, start + r)
             clock[p], computed[p] = start + r, None
             pos[p] += 1
@@ -321,9 +318,9 @@ def predicted_makespan(schedule: str, *, n_tiles: int, n_heads: int, programs: i
     """DASH's closed-form critical paths, for k = programs // items_per_head groups of programs
     that each take every k-th head (h' = ceil(n_heads / k) heads per group).
 
-    Exact in the model when ``programs`` is a multiple of ``items_per_head`` (shift, causal: also
-    ``group == 1``; recompute: also ``programs`` a multiple of ``n_q_tiles``); otherwise an
-    estimate — :func:`simulate` gives the model's value for any grid.
+    Exact in the model when ``programs`` is a multiple of ``items_per_head`` (shift: also
+    ``n_q_tiles >= n_tiles``, or ``>= n_tiles - 1`` when causal; recompute: also ``programs`` a
+    multiple of ``n_q_tiles``); otherwise an estimate, and :func:`simulate` gives the model's value.
         full:   shift h'g n_q (c+r) [+ (ceil(n_kv/n_q)-1) r when n_kv > n_q];
                 ascending, descending h'g n_q (c+r) + (n_kv-1) r;  atomic h'g n_q (c+r)
         causal: shift h'g (n_q + n_q-n_kv+1) (c+r) (the paired items; n_q = n_kv = n gives

@@ -73,25 +73,18 @@ def visit_count(kv, n_q, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _causal_shift_split(n_q, n_kv):
-    """(first paired KV tile, first row of the dense rectangle, its height) of causal shift."""
-    half = (n_kv + 1) // 2
-    rect_row = tl.minimum(n_kv // 2, n_q)
-    return half, rect_row, n_q - rect_row
-
-
-@triton.jit
 def q_tile_at(step, kv, n_q, n_kv, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr):
     """The Q tile that KV tile ``kv`` visits at ``step`` (0 <= step < visit_count)."""
     if SCHEDULE == DESCENDING:
         q = n_q - 1 - step + 0 * kv
     elif SCHEDULE == SHIFT:
         if CAUSAL:
-            half, rect_row, height = _causal_shift_split(n_q, n_kv)
-            # Left KV tiles (kv < half) first cycle through the dense rows rect_row.. with a
-            # per-tile offset, then climb their own staircase kv..rect_row-1; right tiles go down.
-            in_rect = rect_row + (kv + step) % tl.maximum(height, 1)
-            left = tl.where(step < height, in_rect, kv + step - height)
+            half = (n_kv + 1) // 2
+            # Left tiles (kv < half) climb their own rows kv..half-2, sweep the shared rows from
+            # the bottom up to half, and end on row half-1; right tiles go down.
+            up = tl.minimum(half - 1, n_q) - kv
+            left = tl.where(step < up, kv + step,
+                            tl.where(step < n_q - 1 - kv, n_q + half - 2 - kv - step, half - 1))
             q = tl.where(kv < half, left, n_q - 1 - step)
         else:
             q = (kv % n_q + step) % n_q
@@ -126,10 +119,8 @@ def reduction_rank(q, kv, n_q, n_kv, CAUSAL: tl.constexpr, SCHEDULE: tl.constexp
     """0-based position of KV tile ``kv``'s contribution in Q tile ``q``'s dQ reduction order."""
     if SCHEDULE == SHIFT:
         if CAUSAL:
-            half, rect_row, height = _causal_shift_split(n_q, n_kv)
-            upper = q - kv
-            rect = _cyclic_rank(tl.maximum(q - rect_row, 0), kv, half, tl.maximum(height, 1))
-            rank = tl.where(q < rect_row, upper, tl.where(kv < half, rect, kv))
+            half = (n_kv + 1) // 2
+            rank = tl.where(kv < half, tl.minimum(q, half - 1) - kv, kv)
         else:
             rank = _cyclic_rank(q, kv, n_kv, n_q)
     else:

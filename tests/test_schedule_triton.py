@@ -1,0 +1,118 @@
+"""ops/schedules.py's @triton.jit functions equal their plain-Python twins in dash_inductor/schedule.py.
+
+One tiny kernel launch per (schedule, causal, n_q, n_kv) evaluates every function for every
+(work item, slot, step) and every (q, kv) pair; on machines without CUDA it runs in the interpreter.
+"""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from dash_inductor import schedule as model  # noqa: E402
+from dash_inductor.ops import schedules as ops  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SIZES = range(1, 13)
+
+
+@triton.jit
+def _evaluate_schedule(kv_out, count_out, q_out, rank_out, pair_rank_out, n_items, n_q, n_kv,
+                       STEPS_BLOCK: tl.constexpr, PAIRS_BLOCK: tl.constexpr,
+                       CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr):
+    # Every (item, slot, step): slot_kv_tile, visit_count, q_tile_at, and the rank of that visit.
+    index = tl.arange(0, STEPS_BLOCK)
+    item = index // (2 * n_q)
+    slot = (index // n_q) % 2
+    step = index % n_q
+    inside = item < n_items
+    kv = ops.slot_kv_tile(item, slot, n_kv, CAUSAL, SCHEDULE)
+    owned = inside & (kv >= 0)
+    count = ops.visit_count(tl.maximum(kv, 0), n_q, CAUSAL)
+    visited = owned & (step < count)
+    q = ops.q_tile_at(step, tl.maximum(kv, 0), n_q, n_kv, CAUSAL, SCHEDULE)
+    rank = ops.reduction_rank(tl.where(visited, q, 0), tl.maximum(kv, 0), n_q, n_kv, CAUSAL, SCHEDULE)
+    tl.store(kv_out + index, kv, mask=inside)
+    tl.store(count_out + index, count, mask=owned)
+    tl.store(q_out + index, q, mask=visited)
+    tl.store(rank_out + index, rank, mask=visited)
+    # Every (q, kv) pair, visited or not: the full rank table.
+    pair = tl.arange(0, PAIRS_BLOCK)
+    pair_q = pair // n_kv
+    pair_kv = pair % n_kv
+    pair_rank = ops.reduction_rank(pair_q, pair_kv, n_q, n_kv, CAUSAL, SCHEDULE)
+    tl.store(pair_rank_out + pair, pair_rank, mask=pair < n_q * n_kv)
+
+
+def _run_kernel(schedule: str, causal: bool, n_q: int, n_kv: int) -> dict[str, list[int]]:
+    n_items = ops.items_per_head(n_kv, causal, schedule)
+    steps_block = triton.next_power_of_2(n_items * 2 * n_q)
+    pairs_block = triton.next_power_of_2(n_q * n_kv)
+    outputs = {name: torch.full((size,), -7, dtype=torch.int32, device=DEVICE)
+               for name, size in (("kv", steps_block), ("count", steps_block), ("q", steps_block),
+                                  ("rank", steps_block), ("pair_rank", pairs_block))}
+    _evaluate_schedule[(1,)](outputs["kv"], outputs["count"], outputs["q"], outputs["rank"],
+                             outputs["pair_rank"], n_items, n_q, n_kv, STEPS_BLOCK=steps_block,
+                             PAIRS_BLOCK=pairs_block, CAUSAL=causal, SCHEDULE=ops.SCHEDULE_IDS[schedule])
+    return {name: tensor.tolist() for name, tensor in outputs.items()}
+
+
+def _expected(schedule: str, causal: bool, n_q: int, n_kv: int) -> dict[str, list[int]]:
+    """The same buffers filled from the plain-Python model (-7 where the kernel stores nothing)."""
+    n_items = model.items_per_head(n_kv, causal, schedule)
+    size = triton.next_power_of_2(n_items * 2 * n_q)
+    expected = {name: [-7] * size for name in ("kv", "count", "q", "rank")}
+    for item, slot, step in itertools.product(range(n_items), range(2), range(n_q)):
+        index = (item * 2 + slot) * n_q + step
+        kv = model.slot_kv_tile(item, slot, n_kv, causal, schedule)
+        expected["kv"][index] = kv
+        if kv < 0:
+            continue
+        expected["count"][index] = model.visit_count(kv, n_q, causal)
+        if step < expected["count"][index]:
+            q = model.q_tile_at(step, kv, n_q, n_kv, causal, schedule)
+            expected["q"][index] = q
+            expected["rank"][index] = model.reduction_rank(q, kv, n_q, n_kv, causal, schedule)
+    expected["pair_rank"] = [-7] * triton.next_power_of_2(n_q * n_kv)
+    for q, kv in itertools.product(range(n_q), range(n_kv)):
+        expected["pair_rank"][q * n_kv + kv] = model.reduction_rank(q, kv, n_q, n_kv, causal, schedule)
+    return expected
+
+
+def test_ids_and_host_helpers_match_the_model():
+    assert set(ops.SCHEDULE_IDS) == set(model.SCHEDULES)
+    constants = {"ascending": ops.ASCENDING, "descending": ops.DESCENDING, "shift": ops.SHIFT,
+                 "recompute": ops.RECOMPUTE, "atomic": ops.ATOMIC}
+    assert {name: int(value.value) for name, value in constants.items()} == ops.SCHEDULE_IDS
+    for schedule, causal, n_kv in itertools.product(model.SCHEDULES, (False, True), SIZES):
+        assert ops.num_slots(causal, schedule) == model.num_slots(causal, schedule)
+        assert ops.items_per_head(n_kv, causal, schedule) == model.items_per_head(n_kv, causal, schedule)
+        assert ops.needs_coresident_head(schedule) == model.needs_coresident_head(schedule)
+
+
+@pytest.mark.parametrize("bad,match", [(("fastest",), "schedule must be one of"),
+                                       (("shift", 0), "n_kv must be a positive int")])
+def test_host_helpers_name_bad_arguments(bad, match):
+    with pytest.raises(ValueError, match=match):
+        if len(bad) == 1:
+            ops.num_slots(True, bad[0])
+        else:
+            ops.items_per_head(bad[1], True, bad[0])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("schedule", sorted(ops.SCHEDULE_IDS))
+def test_triton_schedule_functions_equal_the_model(schedule, causal):
+    sizes = list(itertools.product(SIZES, SIZES))
+    if schedule in ("recompute", "atomic"):  # visit like ascending: a sample is enough
+        sizes = sizes[::7]
+    for n_q, n_kv in sizes:
+        got = _run_kernel(schedule, causal, n_q, n_kv)
+        assert got == _expected(schedule, causal, n_q, n_kv), (schedule, causal, n_q, n_kv)
