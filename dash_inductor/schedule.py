@@ -11,7 +11,6 @@ closed-form critical paths. It also draws the figures in ``docs/``.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 SCHEDULES = ("ascending", "descending", "shift", "recompute", "atomic")
