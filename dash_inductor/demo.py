@@ -39,13 +39,14 @@ class DemoConfig:
     batch: int = 4
     steps: int = 8
     vocab: int = 64
+    kv_group: int = 2  #: query heads per KV head in the odd (GQA) layers; 1 turns GQA off
     seed: int = 0
     lr: float = 1e-2
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        for name in ("layers", "d_model", "heads", "seq", "batch", "steps", "vocab"):
+        for name in ("layers", "d_model", "heads", "seq", "batch", "steps", "vocab", "kv_group"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -55,8 +56,11 @@ class DemoConfig:
             raise ValueError(f"seq must be at least 2 (next-token prediction), got {self.seq}")
 
     def kv_heads(self, layer: int) -> int:
-        """Odd layers share each KV head between two query heads (GQA) when the head count allows."""
-        return self.heads // 2 if layer % 2 == 1 and self.heads % 2 == 0 else self.heads
+        """Odd layers share each KV head between ``kv_group`` query heads (GQA) where the head
+        count allows."""
+        if layer % 2 == 1 and self.heads % self.kv_group == 0:
+            return self.heads // self.kv_group
+        return self.heads
 
 
 #: Larger defaults for CUDA, where the step-time comparison needs attention to matter.

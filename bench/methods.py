@@ -1,0 +1,298 @@
+"""What the benchmarks measure: the problem grid, the attention implementations, and the timers.
+
+Shared by the grid runner (run.py) and the pytest-benchmark suite (test_bench_attention.py) so both
+measure the same thing the same way (DESIGN.md's performance protocol): random bf16 inputs, one
+process, one GPU, ``triton.testing.do_bench`` medians, FLOPs counted as FlashAttention does
+(forward 4*B*H*N^2*D, halved when causal; backward 2.5x the forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Callable, ContextManager, Iterator
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402  (after the cuBLAS setting, which must precede CUDA's start)
+import torch.nn.functional as F  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+import dash_inductor  # noqa: E402
+
+TOKENS = 16384  #: B * N of every grid problem
+WIDTH = 2048  #: H * D of every grid problem
+SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+GQA_SEQS = (4096, 8192)
+GQA_GROUP = 4
+SCHEDULES = ("ascending", "descending", "shift", "recompute", "atomic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One attention shape: q (B, Hq, N, D), k and v (B, Hkv, N, D)."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq: int
+    head_dim: int
+    causal: bool
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def flops_forward(self) -> float:
+        flops = 4.0 * self.batch * self.heads_q * self.seq ** 2 * self.head_dim
+        return flops / 2 if self.causal else flops
+
+    @property
+    def flops_backward(self) -> float:
+        return 2.5 * self.flops_forward
+
+    @property
+    def label(self) -> str:
+        gqa = f" gqa{self.group}" if self.group > 1 else ""
+        return f"d{self.head_dim} {'causal' if self.causal else 'full'}{gqa} N={self.seq}"
+
+    def as_dict(self) -> dict[str, object]:
+        fields = dataclasses.asdict(self)
+        fields["dtype"] = str(self.dtype).removeprefix("torch.")
+        return fields
+
+
+def grid(quick: bool = False, head_dims: tuple[int, ...] = (64, 128),
+         seqs: tuple[int, ...] = SEQS) -> list[Problem]:
+    """DESIGN.md's grid (or, quick, a few of its configs for a smoke run)."""
+    if quick:
+        head_dims, seqs = head_dims[-1:], (1024, 4096)
+    problems = []
+    for head_dim in head_dims:
+        heads = WIDTH // head_dim
+        for causal in (False, True):
+            for seq in seqs:
+                problems.append(Problem(TOKENS // seq, heads, heads, seq, head_dim, causal))
+            for seq in GQA_SEQS if not quick else ():
+                if seq in seqs:
+                    problems.append(Problem(TOKENS // seq, heads, heads // GQA_GROUP, seq,
+                                            head_dim, causal))
+    if quick:
+        problems.append(Problem(TOKENS // 4096, WIDTH // 128, WIDTH // 128 // GQA_GROUP, 4096,
+                                128, True))
+    return problems
+
+
+def make_inputs(problem: Problem, device: str = "cuda", seed: int = 0
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Random q, k, v (requiring grad) and an upstream gradient, never zeros."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(heads: int) -> Tensor:
+        shape = (problem.batch, heads, problem.seq, problem.head_dim)
+        return torch.randn(shape, device=device, dtype=problem.dtype, generator=generator)
+
+    q, k, v = randn(problem.heads_q), randn(problem.heads_kv), randn(problem.heads_kv)
+    grad_out = randn(problem.heads_q)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad_out
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """An attention implementation and the modes it runs under.
+
+    ``schedule`` is dash's backward schedule (None for the baselines); ``deterministic`` is the
+    ``torch.use_deterministic_algorithms`` mode during forward and backward.
+    """
+
+    name: str
+    title: str
+    deterministic: bool
+    schedule: str | None = None
+
+    @property
+    def is_dash(self) -> bool:
+        return self.schedule is not None
+
+
+SDPA_OFF = Method("sdpa_off", "SDPA, determinism off", False)
+SDPA_ON = Method("sdpa_on", "SDPA, determinism on", True)
+FLEX = Method("flex", "FlexAttention (compiled)", False)
+BASELINES = (SDPA_OFF, SDPA_ON, FLEX)
+DASH = tuple(Method(f"dash_{s}", f"dash {s}", s != "atomic", s) for s in SCHEDULES)
+METHODS = BASELINES + DASH
+DASH_AUTO = Method("dash_auto", "dash (auto schedule)", True, "auto")
+
+
+@contextlib.contextmanager
+def determinism(enabled: bool) -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(enabled)`` for the block, restored afterwards."""
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
+def _sdpa(backend_name: str) -> Callable[[Tensor, Tensor, Tensor, Problem], Tensor]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q: Tensor, k: Tensor, v: Tensor, problem: Problem) -> Tensor:
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=problem.causal,
+                                                  enable_gqa=problem.group > 1)
+
+    return run
+
+
+_FLEX_COMPILED: list[Callable[..., Tensor]] = []
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, problem: Problem) -> Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not _FLEX_COMPILED:
+        _FLEX_COMPILED.append(torch.compile(flex_attention, dynamic=False))
+    block_mask = None
+    if problem.causal:
+        block_mask = _causal_block_mask(problem.seq, q.device.type, create_block_mask)
+    return _FLEX_COMPILED[0](q, k, v, block_mask=block_mask, enable_gqa=problem.group > 1)
+
+
+_BLOCK_MASKS: dict[tuple[int, str], object] = {}
+
+
+def _causal_block_mask(seq: int, device: str, create_block_mask: Callable[..., object]) -> object:
+    key = (seq, device)
+    if key not in _BLOCK_MASKS:
+        _BLOCK_MASKS[key] = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+                                              None, None, seq, seq, device=device)
+    return _BLOCK_MASKS[key]
+
+
+def _dash(q: Tensor, k: Tensor, v: Tensor, problem: Problem) -> Tensor:
+    return dash_inductor.attention(q, k, v, is_causal=problem.causal, enable_gqa=problem.group > 1)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A method bound to a problem: the callable, its mode, and what actually ran."""
+
+    method: Method
+    problem: Problem
+    forward: Callable[[Tensor, Tensor, Tensor], Tensor]
+    mode: Callable[[], ContextManager[None]]
+    backend: str  #: the SDPA backend, "flex", or the dash schedule the kernels actually used
+
+
+def prepare(method: Method, problem: Problem, inputs: tuple[Tensor, Tensor, Tensor, Tensor]
+            ) -> Prepared:
+    """Bind ``method`` to ``problem`` and run it once (forward and backward) to pick the backend.
+
+    SDPA with determinism off prefers cuDNN and falls back to flash where cuDNN refuses the problem;
+    dash reports the schedule its launcher used (it may fall back, e.g. shift to recompute).
+    Raises what the implementation raises when it cannot run the problem.
+    """
+    q, k, v, grad_out = inputs
+
+    def mode() -> ContextManager[None]:
+        stack = contextlib.ExitStack()
+        stack.enter_context(determinism(method.deterministic))
+        if method.is_dash:
+            stack.enter_context(dash_inductor.config.patch(schedule=method.schedule))
+        return stack
+
+    candidates: list[tuple[str, Callable[..., Tensor]]]
+    if method is SDPA_OFF:
+        candidates = [("cudnn", _sdpa("CUDNN_ATTENTION")), ("flash", _sdpa("FLASH_ATTENTION"))]
+    elif method is SDPA_ON:
+        candidates = [("flash", _sdpa("FLASH_ATTENTION"))]
+    elif method is FLEX:
+        candidates = [("flex", _flex)]
+    else:
+        candidates = [(method.schedule or "", _dash)]
+    errors = []
+    for backend, fn in candidates:
+        prepared = Prepared(method, problem, lambda a, b, c, fn=fn: fn(a, b, c, problem), mode,
+                            backend)
+        try:
+            with mode():
+                prepared.forward(q, k, v).backward(grad_out)
+            torch.cuda.synchronize()
+        except Exception as error:  # try the next backend; report all if none can run it
+            errors.append(f"{backend}: {type(error).__name__}: {str(error).splitlines()[0]}")
+            continue
+        finally:
+            for t in (q, k, v):
+                t.grad = None
+        if method.is_dash:
+            prepared.backend = dash_schedule_used(method.schedule or "auto", problem, inputs)
+        return prepared
+    raise RuntimeError("; ".join(errors))
+
+
+def dash_schedule_used(schedule: str, problem: Problem,
+                       inputs: tuple[Tensor, Tensor, Tensor, Tensor]) -> str:
+    """The schedule dash's backward launcher actually runs for this problem (after any fallback)."""
+    from dash_inductor import ops
+
+    q, k, v, grad_out = (t.detach() for t in inputs)
+    out, lse = torch.ops.dash.attention(q, k, v, is_causal=problem.causal,
+                                        enable_gqa=problem.group > 1)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    with determinism(schedule != "atomic"):
+        return ops.attention_backward(grad_out, q, k, v, out, lse, None, dq, dk, dv,
+                                      is_causal=problem.causal, scale=problem.head_dim ** -0.5,
+                                      schedule=schedule)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Milliseconds (do_bench medians); None where not measured."""
+
+    forward: float | None = None
+    backward: float | None = None
+    forward_backward: float | None = None
+
+
+def time_ms(fn: Callable[[], object], grad_to_none: list[Tensor] | None = None,
+            warmup: int = 10, rep: int = 40) -> float:
+    """The median of ``triton.testing.do_bench`` in ms (it synchronises and flushes L2)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
+                          return_mode="median"))
+
+
+def measure(prepared: Prepared, inputs: tuple[Tensor, Tensor, Tensor, Tensor], *,
+            forward: bool = True, backward: bool = True, forward_backward: bool = False,
+            warmup: int = 10, rep: int = 40) -> Timing:
+    """Time the forward, the backward (of a retained graph) and/or both together."""
+    q, k, v, grad_out = inputs
+    leaves = [q, k, v]
+    results: dict[str, float] = {}
+    with prepared.mode():
+        if forward:
+            results["forward"] = time_ms(lambda: prepared.forward(q, k, v), None, warmup, rep)
+        if backward:
+            out = prepared.forward(q, k, v)
+            results["backward"] = time_ms(lambda: out.backward(grad_out, retain_graph=True),
+                                          leaves, warmup, rep)
+            del out
+        if forward_backward:
+            results["forward_backward"] = time_ms(
+                lambda: prepared.forward(q, k, v).backward(grad_out), leaves, warmup, rep)
+    for t in leaves:
+        t.grad = None
+    return Timing(**results)
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    return None if ms is None or ms <= 0 else flops / ms / 1e9

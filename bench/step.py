@@ -1,0 +1,199 @@
+"""End-to-end benchmark: one compiled GPT training step with determinism on (dash), on (SDPA), off.
+
+    python bench/step.py [--quick] [--json PATH] [--seqs 2048,4096,8192] [--layers 12] ...
+
+A GPT-style model (12 layers, d_model 1024, 16 heads, causal SDPA, bf16, B*N = 16k tokens) is
+compiled with torch.compile and trained with AdamW in three modes:
+
+- dash: ``torch.use_deterministic_algorithms(True)``; the Inductor pass puts dash.attention in place
+  of SDPA (the number of rewritten calls is printed);
+- SDPA, determinism on: the same, with ``dash_inductor.config.rewrite = "off"`` (PyTorch's own
+  deterministic attention backward);
+- determinism off: plain PyTorch.
+
+It prints and writes (--json) the median step time and the peak memory of each, and the peak memory
+of one attention forward+backward alone (dash against SDPA: dash adds no N x N buffer, only O(N*d)
+for the fp32 dQ accumulator and the tickets). The target is dash <= 1.10x the determinism-off step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import dash_inductor  # noqa: E402
+import methods as m  # noqa: E402
+from dash_inductor.demo import DemoConfig, ProgressBar, enable_rewrite, make_model  # noqa: E402
+from dash_inductor.demo import describe_sites, recorded_sites  # noqa: E402
+
+#: name -> (deterministic algorithms, dash_inductor.config.rewrite)
+VARIANTS = {
+    "dash (determinism on)": (True, "deterministic"),
+    "SDPA (determinism on)": (True, "off"),
+    "determinism off": (False, "off"),
+}
+GIB = 1024 ** 3
+
+
+def time_training(cfg: DemoConfig, deterministic: bool, rewrite: str, warmup: int,
+                  record_sites: bool) -> dict[str, Any]:
+    """Compile and train ``cfg``'s model; median step time after ``warmup`` steps, peak memory."""
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    model = make_model(cfg)
+    compiled = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), device=cfg.device,
+                           generator=generator)
+
+    def step() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        compiled(tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    sites: list[Any] = []
+    with m.determinism(deterministic), dash_inductor.config.patch(rewrite=rewrite):
+        if record_sites:  # the first step compiles: record what the rewrite does there
+            with recorded_sites() as sites:
+                step()
+        for _ in range(warmup - int(record_sites)):
+            step()
+        torch.cuda.reset_peak_memory_stats()
+        times = [step() for _ in range(cfg.steps)]
+    rewritten, _ = describe_sites(sites) if record_sites else (None, [])
+    result = {"step_ms": 1e3 * statistics.median(times), "step_ms_all": [1e3 * t for t in times],
+              "peak_memory_gib": torch.cuda.max_memory_allocated() / GIB, "rewritten": rewritten}
+    return result
+
+
+def attention_memory(seq: int, cfg: DemoConfig) -> list[dict[str, Any]]:
+    """Peak memory of one causal attention forward+backward beyond its inputs, per method."""
+    head_dim = cfg.d_model // cfg.heads
+    problem = m.Problem(cfg.batch, cfg.heads, cfg.heads, seq, head_dim, True, cfg.dtype)
+    inputs = m.make_inputs(problem)
+    q, k, v, grad_out = inputs
+    qkv_bytes = q.numel() * q.element_size()
+    rows = []
+    for method in (m.SDPA_OFF, m.SDPA_ON, m.DASH_AUTO):
+        row: dict[str, Any] = {"seq": seq, "method": method.title}
+        try:
+            prepared = m.prepare(method, problem, inputs)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            with prepared.mode():
+                prepared.forward(q, k, v).backward(grad_out)
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - base
+            row.update(backend=prepared.backend, extra_mib=extra / 2 ** 20,
+                       extra_over_q_size=extra / qkv_bytes)
+        except Exception as error:  # record and go on
+            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        for t in (q, k, v):
+            t.grad = None
+        rows.append(row)
+    del inputs, q, k, v, grad_out
+    torch.cuda.empty_cache()
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: N = 2048, 2 layers, 3 timed steps")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--seqs", default="2048,4096,8192", help="comma-separated sequence lengths")
+    parser.add_argument("--tokens", type=int, default=16384, help="B * N per step (default 16384)")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--gqa", type=int, default=1,
+                        help="query heads per KV head in every other layer (default 1: no GQA)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="steps before timing (compiles)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seqs, args.layers, args.steps, args.warmup = "2048", 2, 3, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/step.py needs a CUDA GPU; none is visible.", file=sys.stderr)
+        return 2
+    from run import environment
+
+    enable_rewrite()
+    env = environment()
+    seqs = [int(x) for x in args.seqs.split(",")]
+    print(f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}: {args.layers} layers, "
+          f"d_model {args.d_model}, {args.heads} heads, {args.tokens} tokens/step, bf16")
+    rows, memory = [], []
+    bar = ProgressBar(len(seqs) * len(VARIANTS), "step")
+    for seq in seqs:
+        cfg = DemoConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, seq=seq,
+                         batch=max(args.tokens // seq, 1), steps=args.steps, vocab=args.vocab,
+                         kv_group=args.gqa, device="cuda", dtype=torch.bfloat16)
+        for name, (deterministic, rewrite) in VARIANTS.items():
+            row: dict[str, Any] = {"seq": seq, "batch": cfg.batch, "variant": name}
+            try:
+                row.update(time_training(cfg, deterministic, rewrite, args.warmup,
+                                         record_sites=rewrite != "off"))
+                note = f"N={seq} {name}: {row['step_ms']:.1f} ms"
+            except Exception as error:  # record and go on
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                note = f"N={seq} {name}: FAILED"
+            rows.append(row)
+            bar.update(note)
+        memory += attention_memory(seq, cfg)
+    print_results(rows, memory)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"environment": env, "args": vars(args) | {"json": str(
+            args.json)}, "steps": rows, "attention_memory": memory}, indent=1))
+    return 0
+
+
+def print_results(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) -> None:
+    print("\nCompiled training step: median ms (x determinism off), peak memory GiB")
+    by = {(r["seq"], r["variant"]): r for r in rows}
+    for seq in dict.fromkeys(r["seq"] for r in rows):
+        off = by.get((seq, "determinism off"), {}).get("step_ms")
+        cells = []
+        for name in VARIANTS:
+            r = by.get((seq, name), {})
+            if r.get("error"):
+                cells.append(f"{name}: error ({r['error']})")
+                continue
+            ratio = f" ({r['step_ms'] / off:.2f}x)" if off else ""
+            sites = f", {r['rewritten']} attention calls rewritten" if r.get("rewritten") is not None \
+                else ""
+            cells.append(f"{name}: {r['step_ms']:.1f} ms{ratio}, {r['peak_memory_gib']:.2f} GiB{sites}")
+        print(f"N={seq}:\n  " + "\n  ".join(cells))
+    print("\nOne causal attention forward+backward: peak memory beyond its inputs")
+    for r in memory:
+        if r.get("error"):
+            print(f"  N={r['seq']} {r['method']}: error ({r['error']})")
+        else:
+            print(f"  N={r['seq']} {r['method']} [{r['backend']}]: {r['extra_mib']:.0f} MiB "
+                  f"({r['extra_over_q_size']:.2f} x the size of q)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
