@@ -1,11 +1,17 @@
 """dash_inductor: fast, bitwise-reproducible attention for PyTorch training.
 
 ``attention`` is a deterministic drop-in for ``torch.nn.functional.scaled_dot_product_attention``
-(no dropout); the op is ``torch.ops.dash.attention``. Importing this package registers the op.
+(no dropout); the op is ``torch.ops.dash.attention``. Importing this package registers the op and
+installs the Inductor pass that rewrites SDPA into it under ``torch.use_deterministic_algorithms``.
 """
 
 from . import config
 from .library import attention, unsupported_reason
+from .rewrite import explain
+from .rewrite import install as enable
+from .rewrite import uninstall as disable
 
-__all__ = ["attention", "config", "unsupported_reason"]
+enable()
+
+__all__ = ["attention", "config", "disable", "enable", "explain", "unsupported_reason"]
 __version__ = "0.1.0"
