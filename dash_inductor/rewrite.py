@@ -4,7 +4,7 @@ Why a pre-grad pass: it sees ``scaled_dot_product_attention`` as the user wrote 
 AOTAutograd picks a backend, so one pattern covers every device, and AOTAutograd then traces the
 op's own autograd. Why also a joint-graph pass: Inductor's fuse_attention turns hand-written
 attention (matmul, scale, softmax, matmul) into SDPA only later, on the joint graph, where the
-pre-grad pass can no longer see it; ``_joint_graph_rewrite`` swaps those fused calls for ours.
+pre-grad pass can no longer see it; ``_rewrite_fused_attention`` swaps those fused calls for ours.
 
 The decision is taken at compile time: the pass fires while
 ``torch.are_deterministic_algorithms_enabled()`` (strict or warn-only), or always, or never, as
@@ -33,7 +33,7 @@ from torch._inductor.pattern_matcher import (
     register_graph_pattern,
 )
 
-from dash_inductor import config
+from dash_inductor import config, library
 from dash_inductor.library import unsupported_reason
 
 log = logging.getLogger("dash_inductor")
@@ -83,14 +83,17 @@ def _disabled_reason() -> str | None:
 def _site_of(node: torch.fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
-    if not frames:
-        return node.name
+    if not frames:  # fuse_attention's replacements carry no stack trace
+        return f"attention fused by Inductor (node {node.name})"
     path, line, function = frames[-1]
     return f"{path}:{line} in {function}"
 
 
 def _report(node: torch.fx.Node, graph: str, reason: str | None) -> None:
-    report = SiteReport(_site_of(node), _call_name(node.target), reason is None, reason, graph)
+    """Record the decision for explain(), and log it once per (site, call, reason)."""
+    functional = node.target is F.scaled_dot_product_attention
+    call = "torch.nn.functional.scaled_dot_product_attention" if functional else str(node.target)
+    report = SiteReport(_site_of(node), call, reason is None, reason, graph)
     for recorder in _recorders:
         recorder.append(report)
     key = (report.site, report.call, reason)
@@ -101,12 +104,6 @@ def _report(node: torch.fx.Node, graph: str, reason: str | None) -> None:
         log.debug("dash_inductor: %s at %s rewritten to dash.attention", report.call, report.site)
     else:
         log.info("dash_inductor: %s at %s left as it is: %s", report.call, report.site, reason)
-
-
-def _call_name(target: Any) -> str:
-    if target is F.scaled_dot_product_attention:
-        return "torch.nn.functional.scaled_dot_product_attention"
-    return str(target)
 
 
 def _bind_sdpa(node: torch.fx.Node) -> tuple[dict[str, Any] | None, str | None]:
@@ -139,11 +136,10 @@ def _graph_reason(bound: dict[str, Any]) -> str | None:
     if bound["dropout_p"] != 0.0:
         return (f"dropout_p={bound['dropout_p']}: dash.attention has no dropout (SDPA applies it "
                 f"whenever dropout_p > 0, in training and in eval)")
-    tensors = [bound[name] for name in ("query", "key", "value", "attn_mask")]
-    for name, value in zip(("query", "key", "value", "attn_mask"), tensors):
-        if value is None and name == "attn_mask":
+    for name in ("query", "key", "value", "attn_mask"):
+        if name == "attn_mask" and bound[name] is None:
             continue
-        example = _example(value)
+        example = _example(bound[name])
         if not isinstance(example, torch.Tensor):
             return f"{name} has no example tensor in the graph (got {type(example).__name__})"
         if example.is_nested:
@@ -384,7 +380,8 @@ def _erase_with_outputs(node: torch.fx.Node) -> None:
         node.graph.erase_node(node)
 
 
-_SOURCE_HASH = get_hash_for_files((__file__,))
+#: The pass's code and the op's schema/fake kernels/acceptance rules decide the rewritten graph.
+_SOURCE_HASH = get_hash_for_files((__file__, library.__file__))
 PRE_GRAD_PASS = ChainedPass("pre_grad_custom_pass", _pre_grad_patterns.apply)
 JOINT_PASS = ChainedPass("joint_custom_post_pass", _joint_patterns.apply)
 
@@ -431,8 +428,7 @@ def _installed_for_reports() -> Iterator[None]:
     missing = [p for p in (PRE_GRAD_PASS, JOINT_PASS) if not p.installed]
     for chained_pass in missing:
         chained_pass.install()
-    disabled = bool(missing)
-    _explain_disabled.append(disabled)
+    _explain_disabled.append(bool(missing))
     try:
         yield
     finally:

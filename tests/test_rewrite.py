@@ -247,9 +247,14 @@ def test_handwritten_attention_fused_by_inductor_is_rewritten() -> None:
     assert report.rewritten and report.graph == "joint"
 
 
+def _fw_bw_code(compiled, x) -> str:
+    return "\n".join(run_fw_bw_and_get_code(lambda: compiled(x))[1])
+
+
 def test_second_compile_hits_cache_and_toggling_recompiles() -> None:
-    """With the FX graph cache on, a compile after dynamo.reset() reuses the cached graph, which
-    still holds the op; toggling determinism (or config.rewrite) never reuses the other graph."""
+    """With the FX graph and AOTAutograd caches on, a compile after dynamo.reset() is served from
+    the cache and still holds the op; toggling determinism (or config.rewrite) never reuses the
+    graph compiled under the other decision."""
     torch.manual_seed(0)
     model, x = Attention(is_causal=True), torch.randn(2, 8, 16)
     torch.use_deterministic_algorithms(True)
@@ -258,20 +263,16 @@ def test_second_compile_hits_cache_and_toggling_recompiles() -> None:
         for hit in (False, True):
             torch._dynamo.reset()
             counters.clear()
-            _, code = run_and_get_code(torch.compile(model), x)
-            assert OP in "\n".join(code)
-            assert counters["inductor"]["fxgraph_cache_hit" if hit else "fxgraph_cache_miss"] == 1
+            assert OP in _fw_bw_code(torch.compile(model), x)
+            assert counters["aot_autograd"]["autograd_cache_hit" if hit else "autograd_cache_miss"]
         compiled = torch.compile(model)
-        compiled(x)
-        for enabled, expected in ((False, False), (True, True)):
+        for enabled, rewritten in ((True, True), (False, False), (True, True)):
             torch.use_deterministic_algorithms(enabled)
-            _, code = run_and_get_code(compiled, x)
-            assert code and (OP in "\n".join(code)) is expected
+            assert (OP in _fw_bw_code(compiled, x)) is rewritten
         torch.use_deterministic_algorithms(False)
         config.rewrite = "always"  # read at compile time: a new compile picks it up
         torch._dynamo.reset()
-        _, code = run_and_get_code(torch.compile(model), x)
-        assert OP in "\n".join(code)
+        assert OP in _fw_bw_code(torch.compile(model), x)
 
 
 class RecordingPass(torch._inductor.custom_graph_pass.CustomGraphPass):
