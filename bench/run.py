@@ -4,9 +4,12 @@
 
 Follows DESIGN.md's performance protocol: one process, one GPU, random bf16 inputs, do_bench
 medians; the grid is head dim 64 and 128, H*D = 2048, B*N = 16384, N from 512 to 16k, causal and
-full, plus GQA (Hq/Hkv = 4) at N = 4k and 8k. A baseline that fails on a problem is recorded with
-its error and the run goes on. Next to each ordered schedule's backward time it prints the DASH
-model's critical-path prediction (dash_inductor.schedule), scaled by the measured atomic time.
+full, plus GQA (Hq/Hkv = 4) at N = 4k and 8k. Next to each schedule's backward time it gives the
+DASH model's critical-path prediction (dash_inductor.schedule), scaled by the measured atomic time.
+
+A measurement that fails is recorded with its error and the run goes on. The measuring runs in a
+worker process; if a kernel kills the CUDA context (an illegal memory access, say), the worker
+records the error and exits, and a fresh worker carries on with the next measurement.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import datetime
 import json
 import math
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import methods as m  # noqa: E402
+import report  # noqa: E402
 from dash_inductor.demo import ProgressBar  # noqa: E402
 
-ORDERED = ("ascending", "descending", "shift")
+CONTEXT_LOST = 3  #: the worker's exit status after a CUDA error that poisons the process
 
 
 def environment() -> dict[str, Any]:
@@ -38,27 +44,29 @@ def environment() -> dict[str, Any]:
     import dash_inductor
 
     props = torch.cuda.get_device_properties(0)
-    return {"gpu": props.name, "sms": props.multi_processor_count,
+    return {"gpu": props.name, "sms": props.multi_processor_count, "arch": props.major,
             "capability": f"{props.major}.{props.minor}", "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda,
             "dash_inductor": dash_inductor.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
+def _tiles(problem: m.Problem, arch: int) -> int:
+    from dash_inductor.ops.configs import backward_config
+
+    block_n = backward_config(problem.head_dim, problem.dtype, problem.causal, arch).block_n
+    return math.ceil(problem.seq / block_n)
+
+
 def predicted_backward_ms(problem: m.Problem, schedule: str, atomic_ms: float | None,
-                          programs: int) -> float | None:
+                          programs: int, arch: int) -> float | None:
     """The model's backward time of ``schedule``, calibrated so that ``atomic`` matches its
     measurement (one persistent program per SM; dQ reduction cost r = c/4, the model's default)."""
     if atomic_ms is None:
         return None
-    try:
-        from dash_inductor.ops.configs import backward_config
-        from dash_inductor.schedule import predicted_makespan
-    except ImportError:
-        return None
-    arch = torch.cuda.get_device_capability()[0]
-    block_n = backward_config(problem.head_dim, problem.dtype, problem.causal, arch).block_n
-    shape = dict(n_tiles=math.ceil(problem.seq / block_n), n_heads=problem.batch * problem.heads_kv,
+    from dash_inductor.schedule import predicted_makespan
+
+    shape = dict(n_tiles=_tiles(problem, arch), n_heads=problem.batch * problem.heads_kv,
                  programs=programs, causal=problem.causal, group=problem.group)
     try:
         return atomic_ms * predicted_makespan(schedule, **shape) / predicted_makespan("atomic", **shape)
@@ -66,231 +74,113 @@ def predicted_backward_ms(problem: m.Problem, schedule: str, atomic_ms: float | 
         return None
 
 
-def auto_choice(problem: m.Problem) -> str:
-    from dash_inductor.ops.configs import auto_schedule, backward_config
+def auto_choice(problem: m.Problem, arch: int) -> str:
+    """The schedule ``config.schedule = "auto"`` resolves to for this problem."""
+    from dash_inductor.ops.configs import auto_schedule
 
-    arch = torch.cuda.get_device_capability()[0]
-    block_n = backward_config(problem.head_dim, problem.dtype, problem.causal, arch).block_n
-    return auto_schedule(problem.head_dim, problem.dtype, problem.causal,
-                         math.ceil(problem.seq / block_n), arch)
+    return auto_schedule(problem.head_dim, problem.dtype, problem.causal, _tiles(problem, arch), arch)
 
 
-def run_problem(problem: m.Problem, selected: list[m.Method], bar: ProgressBar, warmup: int,
-                rep: int) -> list[dict[str, Any]]:
-    """Every selected method on one problem; a failure becomes a row with its error."""
-    inputs = m.make_inputs(problem)
-    rows = []
-    dash_forward_ms = None
-    for method in selected:
-        row: dict[str, Any] = {**problem.as_dict(), "problem": problem.label,
-                               "method": method.name, "title": method.title}
-        try:
-            prepared = m.prepare(method, problem, inputs)
-            # dash's forward does not depend on the schedule: time it once.
-            timing = m.measure(prepared, inputs, forward=not method.is_dash or dash_forward_ms is None,
-                               warmup=warmup, rep=rep)
-            if method.is_dash:
-                dash_forward_ms = dash_forward_ms or timing.forward
-            row.update(backend=prepared.backend,
-                       forward_ms=timing.forward if not method.is_dash else dash_forward_ms,
-                       backward_ms=timing.backward)
-            row["forward_tflops"] = m.tflops(problem.flops_forward, row["forward_ms"])
-            row["backward_tflops"] = m.tflops(problem.flops_backward, row["backward_ms"])
-            note = f"{problem.label} {method.name}: {_fmt(row['backward_tflops'])} TFLOP/s bwd"
-        except Exception as error:  # record and go on: one failing baseline must not stop the grid
-            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            note = f"{problem.label} {method.name}: FAILED"
-            torch.cuda.empty_cache()
-        rows.append(row)
-        bar.update(note)
-    _add_predictions(problem, rows)
-    del inputs
-    torch.cuda.empty_cache()
-    return rows
+def add_predictions(rows: list[dict[str, Any]], env: dict[str, Any]) -> None:
+    """Give each schedule's row the model's prediction and the auto schedule of its problem."""
+    problems = {row["problem"]: m.Problem(**{**{k: row[k] for k in (
+        "batch", "heads_q", "heads_kv", "seq", "head_dim", "causal")}}) for row in rows}
+    for label, problem in problems.items():
+        by_method = {row["method"]: row for row in rows if row["problem"] == label}
+        atomic = by_method.get("dash_atomic", {}).get("backward_ms")
+        for schedule in report.ORDERED + ("recompute",):
+            row = by_method.get(f"dash_{schedule}")
+            if row is not None and row.get("backward_ms") is not None:
+                used = row.get("backend", schedule)
+                row["predicted_backward_ms"] = predicted_backward_ms(
+                    problem, used, atomic, env["sms"], env["arch"])
+                row["auto"] = auto_choice(problem, env["arch"])
 
 
-def _add_predictions(problem: m.Problem, rows: list[dict[str, Any]]) -> None:
-    by_method = {row["method"]: row for row in rows}
-    atomic = by_method.get("dash_atomic", {}).get("backward_ms")
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
-    for schedule in ORDERED + ("recompute",):
-        row = by_method.get(f"dash_{schedule}")
-        if row is not None and row.get("backward_ms") is not None:
-            used = row.get("backend", schedule)
-            row["predicted_backward_ms"] = predicted_backward_ms(problem, used, atomic, programs)
-            row["auto"] = auto_choice(problem)
+def _context_alive() -> bool:
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return True
+    except Exception:  # any CUDA error here means the context is unusable
+        return False
 
 
-def _fmt(value: float | None, digits: int = 0) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
+def measure_one(problem: m.Problem, method: m.Method, inputs, dash_forward_ms: float | None,
+                warmup: int, rep: int) -> dict[str, Any]:
+    """One method on one problem, as a row; an error becomes the row's ``error``."""
+    row: dict[str, Any] = {**problem.as_dict(), "problem": problem.label, "method": method.name,
+                           "title": method.title}
+    try:
+        prepared = m.prepare(method, problem, inputs)
+        # dash's forward does not depend on the schedule: it is timed once per problem.
+        timing = m.measure(prepared, inputs, forward=not method.is_dash or dash_forward_ms is None,
+                           warmup=warmup, rep=rep)
+        forward_ms = dash_forward_ms if method.is_dash and dash_forward_ms else timing.forward
+        row.update(backend=prepared.backend, forward_ms=forward_ms, backward_ms=timing.backward,
+                   forward_tflops=m.tflops(problem.flops_forward, forward_ms),
+                   backward_tflops=m.tflops(problem.flops_backward, timing.backward))
+    except Exception as error:  # record and go on: one failing method must not stop the grid
+        row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
+    return row
 
 
-def _cell(row: dict[str, Any] | None, key: str) -> str:
-    if row is None:
-        return "n/a"
-    if row.get("error"):
-        return "error"
-    value = _fmt(row.get(key))
-    used = row.get("backend")
-    schedule = row["method"].removeprefix("dash_")
-    if key == "backward_tflops" and row["method"].startswith("dash_") and used and used != schedule:
-        value += f" ({used})"
-    return value
+def worker(args: argparse.Namespace, tasks: list[tuple[m.Problem, m.Method]]) -> int:
+    """Measure ``tasks[args.start:]``, appending JSON lines to ``args.rows_file``."""
+    with open(args.rows_file, "a") as sink:
+        sink.write(json.dumps({"environment": environment()}) + "\n")
+        bar = ProgressBar(len(tasks), "bench")
+        bar.done = args.start
+        current, inputs, dash_forward_ms = None, None, None
+        for index in range(args.start, len(tasks)):
+            problem, method = tasks[index]
+            if problem != current:
+                inputs = None
+                torch.cuda.empty_cache()
+                current, inputs, dash_forward_ms = problem, m.make_inputs(problem), None
+            row = measure_one(problem, method, inputs, dash_forward_ms, args.warmup, args.rep)
+            if method.is_dash and row.get("forward_ms") is not None:
+                dash_forward_ms = row["forward_ms"]
+            sink.write(json.dumps({"index": index, "row": row}) + "\n")
+            sink.flush()
+            bar.update(f"{problem.label} {method.name}: " + (
+                f"FAILED ({row['error'][:90]})" if row.get("error")
+                else f"{report._fmt(row['backward_tflops'])} TFLOP/s bwd"))
+            if row.get("error") and not _context_alive():
+                return CONTEXT_LOST
+    return 0
 
 
-def tables(rows: list[dict[str, Any]]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, header, body) of the result tables: backward, forward, price of determinism, model."""
-    problems = list(dict.fromkeys(row["problem"] for row in rows))
-    methods = list(dict.fromkeys(row["method"] for row in rows))
-    titles = {row["method"]: row["title"] for row in rows}
-    cell = {(row["problem"], row["method"]): row for row in rows}
-    backward = [[p] + [_cell(cell.get((p, x)), "backward_tflops") for x in methods] for p in problems]
-    first_dash = next((x for x in methods if x.startswith("dash_")), None)
-    forward_methods = [x for x in methods if not x.startswith("dash_")] + [first_dash] * bool(first_dash)
-    forward = [[p] + [_cell(cell.get((p, x)), "forward_tflops") for x in forward_methods]
-               for p in problems]
-    price_header, price = _price_table(problems, methods, cell)
-    model_header, model = _model_table(problems, methods, cell)
-    return [("Backward TFLOP/s", ["problem"] + [titles[x] for x in methods], backward),
-            ("Forward TFLOP/s (dash's forward is the same for every schedule)",
-             ["problem"] + [_forward_title(x, titles) for x in forward_methods], forward),
-            ("Price of determinism: backward time of each schedule / atomic, and the best "
-             "deterministic schedule / SDPA with determinism off", price_header, price),
-            ("DASH model vs measurement: measured / predicted backward time", model_header, model)]
-
-
-def _forward_title(method: str, titles: dict[str, str]) -> str:
-    return "dash" if method.startswith("dash_") else titles[method]
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "—" if a is None or b is None or b == 0 else f"{a / b:.2f}"
-
-
-def _price_table(problems, methods, cell):
-    det = [x for x in methods if x.startswith("dash_") and x != "dash_atomic"]
-    header = ["problem"] + [x.removeprefix("dash_") for x in det] + ["best det / SDPA off"]
-    body = []
-    for p in problems:
-        atomic = (cell.get((p, "dash_atomic")) or {}).get("backward_ms")
-        times = [(cell.get((p, x)) or {}).get("backward_ms") for x in det]
-        measured = [t for t in times if t is not None]
-        sdpa_off = (cell.get((p, "sdpa_off")) or {}).get("backward_ms")
-        best = min(measured) if measured else None
-        body.append([p] + [_ratio(t, atomic) for t in times] + [_ratio(best, sdpa_off)])
-    return header, body
-
-
-def _model_table(problems, methods, cell):
-    modelled = [x for x in methods if x.removeprefix("dash_") in ORDERED + ("recompute",)]
-    header = ["problem", "auto picks"] + [x.removeprefix("dash_") for x in modelled]
-    body = []
-    for p in problems:
-        rows = [cell.get((p, x)) or {} for x in modelled]
-        auto = next((r.get("auto") for r in rows if r.get("auto")), "—")
-        body.append([p, auto] + [_ratio(r.get("backward_ms"), r.get("predicted_backward_ms"))
-                                 for r in rows])
-    return header, body
-
-
-def render_text(table: tuple[str, list[str], list[list[str]]]) -> str:
-    title, header, body = table
-    widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
-    lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-              for r in body]
-    return "\n".join(lines)
-
-
-def render_markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> str:
-    lines = [f"Measured on {env['gpu']} ({env['sms']} SMs), torch {env['torch']}, Triton "
-             f"{env['triton']}, CUDA {env['cuda']}, dash_inductor {env['dash_inductor']}, "
-             f"{env['date']}. Command: `{command}`.", ""]
-    for title, header, body in tables(rows):
-        lines += [f"#### {title}", "", "| " + " | ".join(header) + " |",
-                  "|" + "|".join("---" for _ in header) + "|"]
-        lines += ["| " + " | ".join(r) + " |" for r in body]
-        lines.append("")
-    errors = [r for r in rows if r.get("error")]
-    if errors:
-        lines += ["#### Failures", ""]
-        lines += [f"- {r['problem']}, {r['title']}: `{r['error']}`" for r in errors]
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _panels(plt, count: int):
-    """A grid of up to two panels per row (head dim per row, mask per column in the full grid)."""
-    cols = min(count, 2) or 1
-    rows = max(-(-count // cols), 1)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
-    return fig, [ax for line in axes for ax in line]
-
-
-def draw_plots(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
-    """TFLOP/s vs N per (head dim, mask) for every method; backward price of determinism."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    directory.mkdir(parents=True, exist_ok=True)
-    dense = [r for r in rows if r["heads_q"] == r["heads_kv"] and not r.get("error")]
-    configs = sorted({(r["head_dim"], r["causal"]) for r in dense})
-    methods = list(dict.fromkeys(r["method"] for r in dense))
-    titles = {r["method"]: r["title"] for r in dense}
-    written = []
-    for key, name in (("backward_tflops", "backward"), ("forward_tflops", "forward")):
-        fig, axes = _panels(plt, len(configs))
-        for ax, (head_dim, causal) in zip(axes, configs):
-            first_dash = next((x for x in methods if x.startswith("dash_")), None)
-            for method in methods:
-                if key == "forward_tflops" and method.startswith("dash_") and method != first_dash:
-                    continue
-                points = sorted((r["seq"], r[key]) for r in dense if r["method"] == method
-                                and r["head_dim"] == head_dim and r["causal"] == causal
-                                and r.get(key) is not None)
-                if points:
-                    label = _forward_title(method, titles) if key == "forward_tflops" \
-                        else titles[method]
-                    ax.plot(*zip(*points), marker="o", label=label,
-                            linestyle="-" if method.startswith("dash_") else "--")
-            ax.set(xscale="log", xlabel="sequence length N", ylabel=f"{name} TFLOP/s",
-                   title=f"d{head_dim} {'causal' if causal else 'full'}")
-            ax.set_xticks(m.SEQS, [f"{s // 1024}k" if s >= 1024 else str(s) for s in m.SEQS])
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        written.append(directory / f"{name}_tflops.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
-    written.append(_plot_price(dense, configs, directory, plt))
-    return written
-
-
-def _plot_price(dense, configs, directory: Path, plt) -> Path:
-    fig, axes = _panels(plt, len(configs))
-    atomic = {(r["head_dim"], r["causal"], r["seq"]): r["backward_ms"] for r in dense
-              if r["method"] == "dash_atomic"}
-    for ax, (head_dim, causal) in zip(axes, configs):
-        for schedule in ORDERED + ("recompute",):
-            points = sorted((r["seq"], r["backward_ms"] / atomic[(head_dim, causal, r["seq"])])
-                            for r in dense if r["method"] == f"dash_{schedule}"
-                            and r["head_dim"] == head_dim and r["causal"] == causal
-                            and (head_dim, causal, r["seq"]) in atomic)
-            if points:
-                ax.plot(*zip(*points), marker="o", label=schedule)
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set(xscale="log", xlabel="sequence length N", ylabel="backward time / atomic",
-               title=f"price of determinism, d{head_dim} {'causal' if causal else 'full'}")
-        ax.set_xticks(m.SEQS, [f"{s // 1024}k" if s >= 1024 else str(s) for s in m.SEQS])
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    path = directory / "price_of_determinism.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+def orchestrate(argv: list[str], tasks: list[tuple[m.Problem, m.Method]]
+                ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run workers until every task has a row; a worker that dies costs one task, not the grid."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_file = Path(tmp) / "rows.jsonl"
+        rows: dict[int, dict[str, Any]] = {}
+        env: dict[str, Any] = {}
+        start, stalled = 0, 0
+        while start < len(tasks):
+            status = subprocess.call([sys.executable, __file__, *argv, "--worker",
+                                      "--rows-file", str(rows_file), "--start", str(start)])
+            for line in rows_file.read_text().splitlines():
+                record = json.loads(line)
+                env = env or record.get("environment", {})
+                if "row" in record:
+                    rows[record["index"]] = record["row"]
+            done = next((i for i in range(start, len(tasks)) if i not in rows), len(tasks))
+            stalled = stalled + 1 if done == start else 0
+            failed = range(done, len(tasks) if stalled >= 3 else min(done + 1, len(tasks)))
+            for index in failed:
+                problem, method = tasks[index]
+                rows[index] = {**problem.as_dict(), "problem": problem.label,
+                               "method": method.name, "title": method.title,
+                               "error": f"the measuring process died (exit status {status})"}
+            if failed:
+                print(f"worker exited with status {status} at task {done}; "
+                      f"{'giving up' if stalled >= 3 else 'going on in a fresh process'}",
+                      file=sys.stderr)
+            start = failed.stop if failed else done
+        return env, [rows[i] for i in sorted(rows)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -305,10 +195,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated subset of: " + ", ".join(x.name for x in m.METHODS))
     parser.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms (default 10)")
     parser.add_argument("--rep", type=int, default=40, help="do_bench measuring time, ms (default 40)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rows-file", help=argparse.SUPPRESS)
+    parser.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/run.py needs a CUDA GPU; none is visible.", file=sys.stderr)
@@ -318,39 +212,47 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: --methods: unknown {unknown}; choose from {list(by_name)}", file=sys.stderr)
         return 2
-    selected = [by_name[x] for x in args.methods.split(",")]
     problems = m.grid(args.quick, tuple(int(x) for x in args.head_dims.split(",")),
                       tuple(int(x) for x in args.seqs.split(",")))
-    env = environment()
-    print(f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}: {len(problems)} problems x "
-          f"{len(selected)} methods")
-    start = time.perf_counter()
-    bar = ProgressBar(len(problems) * len(selected), "bench")
-    rows = [row for problem in problems
-            for row in run_problem(problem, selected, bar, args.warmup, args.rep)]
-    env["seconds"] = round(time.perf_counter() - start, 1)
-    for table in tables(rows):
+    tasks = [(p, by_name[x]) for p in problems for x in args.methods.split(",")]
+    if args.worker:
+        return worker(args, tasks)
+    print(f"{len(problems)} problems x {len(tasks) // max(len(problems), 1)} methods")
+    started = time.perf_counter()
+    env, rows = orchestrate(argv, tasks)
+    if not env:
+        print("no worker got as far as reading the GPU; see the errors above", file=sys.stderr)
+        return 1
+    env["seconds"] = round(time.perf_counter() - started, 1)
+    add_predictions(rows, env)
+    write_outputs(args, argv, env, rows)
+    return 0
+
+
+def write_outputs(args: argparse.Namespace, argv: list[str], env: dict[str, Any],
+                  rows: list[dict[str, Any]]) -> None:
+    print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, {env['date']}")
+    for table in report.tables(rows):
         print()
-        print(render_text(table))
+        print(report.render_text(table))
     failures = [r for r in rows if r.get("error")]
     for row in failures:
         print(f"FAILED {row['problem']} {row['method']}: {row['error']}")
-    command = "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = " ".join(["python bench/run.py", *argv])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"environment": env, "command": command.strip(),
-                                         "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"environment": env, "command": command, "rows": rows},
+                                        indent=1))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(render_markdown(env, rows, command.strip()))
+        args.markdown.write_text(report.render_markdown(env, rows, command))
     if args.plots:
         try:
-            for path in draw_plots(rows, args.plots):
+            for path in report.draw_plots(rows, args.plots):
                 print(f"wrote {path}")
         except ImportError:
             print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
     print(f"done in {env['seconds']} s; {len(failures)} failed measurements")
-    return 0
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import dash_inductor  # noqa: E402
 import methods as m  # noqa: E402
 from dash_inductor.demo import DemoConfig, ProgressBar, enable_rewrite, make_model  # noqa: E402
-from dash_inductor.demo import describe_sites, recorded_sites  # noqa: E402
+from dash_inductor.demo import describe_sites, quiet_cache_key_warnings, recorded_sites  # noqa: E402,E501
 
 #: name -> (deterministic algorithms, dash_inductor.config.rewrite)
 VARIANTS = {
@@ -66,7 +66,8 @@ def time_training(cfg: DemoConfig, deterministic: bool, rewrite: str, warmup: in
         return time.perf_counter() - start
 
     sites: list[Any] = []
-    with m.determinism(deterministic), dash_inductor.config.patch(rewrite=rewrite):
+    with m.determinism(deterministic), dash_inductor.config.patch(rewrite=rewrite), \
+            quiet_cache_key_warnings():
         if record_sites:  # the first step compiles: record what the rewrite does there
             with recorded_sites() as sites:
                 step()
