@@ -1,8 +1,9 @@
 """pytest plugin of dash_inductor: hypothesis profiles and determinism fixtures.
 
-pytest loads this module at start-up in every project where dash_inductor is installed, so it stays
-light: no torch import at module level, and it only *registers* hypothesis profiles (selecting one
-is the user's choice, ``pytest --hypothesis-profile=dash-ci``), so nobody's settings change silently.
+pytest loads this module at start-up in every project where dash_inductor is installed, so it
+stays light (torch is imported inside the fixtures) and only *registers* hypothesis profiles:
+selecting one is the user's choice (``pytest --hypothesis-profile=dash-ci``), so nobody's
+settings change silently.
 
 Profiles:
 
@@ -14,7 +15,8 @@ Fixtures:
 
 - ``deterministic_algorithms``: turns ``torch.use_deterministic_algorithms(True)`` on for the test
   and restores the previous mode (including ``warn_only``) afterwards.
-- ``restore_deterministic_algorithms``: lets the test set the mode itself and restores it afterwards.
+- ``restore_deterministic_algorithms``: lets the test set the mode itself, restores it afterwards.
+- ``deterministic_algorithms_mode(enabled, warn_only)``: the same as a context manager.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 __all__ = [
     "MASK_KINDS", "MASK_SHAPES", "LAYOUTS", "AttentionInputs", "AttentionProblem",
-    "attention_problems", "assert_bitwise_reproducible", "assert_batch_invariant",
-    "assert_process_reproducible", "tensor_digests",
+    "attention_problems", "assert_bitwise_equal", "assert_bitwise_reproducible",
+    "assert_batch_invariant", "assert_process_reproducible", "tensor_digests",
 ]
 
 MASK_KINDS = ("none", "bool", "float")
@@ -204,6 +204,10 @@ def attention_problems(
         if not values or any(v not in choices for v in values):
             raise ValueError(f"attention_problems: {name} must be a non-empty subset of "
                              f"{choices}, got {tuple(values)!r}")
+    # causal problems take no mask: draw "causal" or a mask kind (including "none") as one choice
+    kinds = ["causal"] * (True in causal) + list(masks) * (False in causal)
+    if not kinds:
+        raise ValueError(f"attention_problems: causal must hold True and/or False, got {causal!r}")
     if not head_dims or any(d < 1 for d in head_dims):
         raise ValueError(f"attention_problems: head_dims must be positive, got {head_dims!r}")
 
@@ -211,8 +215,8 @@ def attention_problems(
     def draw_problem(draw: Callable[[st.SearchStrategy[Any]], Any]) -> AttentionProblem:
         hq, hkv = draw(st.sampled_from(heads))
         length = draw(_lengths(*q_len, tile))
-        mask = draw(st.sampled_from(list(masks))) if False in causal else "none"
-        is_causal = mask == "none" and draw(st.sampled_from(list(causal)))
+        kind = draw(st.sampled_from(kinds))
+        is_causal, mask = kind == "causal", "none" if kind == "causal" else kind
         rows: tuple[int, ...] = ()
         if mask != "none" and fully_masked_rows:
             drawn = draw(st.lists(st.integers(0, length - 1), max_size=2, unique=True))
@@ -324,6 +328,12 @@ def _compare(expected: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Te
         raise AssertionError(f"{header}:\n  {differences[0]}{others}")
 
 
+def assert_bitwise_equal(expected: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor],
+                         what: str = "tensors differ") -> None:
+    """Two name -> tensor maps (as the asserts here return) hold the same names and bits."""
+    _compare(expected, actual, f"{what} (left: expected, right: actual)")
+
+
 def assert_bitwise_reproducible(fn: Callable[..., Any], *args: Any, runs: int = 3,
                                 grad_seed: int = 0, **kwargs: Any) -> dict[str, torch.Tensor]:
     """Call ``fn(*args, **kwargs)`` ``runs`` times; every output and gradient must match run 0.
@@ -384,7 +394,8 @@ def assert_batch_invariant(fn: Callable[..., Any], batch: Sequence[Any], *,
                 expected[name] = t.narrow(arg_dims[name], i, 1)
         alone = {name: t for name, t in alone.items() if name in expected}
         _compare(expected, alone, f"not batch invariant: sequence {i} of {size} inside the batch "
-                                  f"(left) differs from the same sequence alone (right)")
+                                  f"(left) differs from the same sequence alone (right); "
+                                  f"indices are within the sequence")
 
 
 def tensor_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
