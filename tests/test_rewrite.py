@@ -247,6 +247,30 @@ def test_handwritten_attention_fused_by_inductor_is_rewritten() -> None:
     assert report.rewritten and report.graph == "joint"
 
 
+def test_multihead_attention_rewritten_in_joint_graph() -> None:
+    """nn.MultiheadAttention reaches SDPA through a call Dynamo keeps opaque; the joint pass
+    still swaps the fused op, and the gradients match eager."""
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+
+    def block(x):
+        return mha(x, x, x, attn_mask=~mask, need_weights=False)[0]
+
+    compiled = torch.compile(block)
+    out, code = run_fw_bw_and_get_code(lambda: compiled(x))
+    assert OP in "\n".join(code) and BACKWARD_OP in "\n".join(code)
+    got = [t.grad.clone() for t in (x, *mha.parameters())]
+    for t in (x, *mha.parameters()):
+        t.grad = None
+    torch.testing.assert_close(out, block(x), atol=2e-5, rtol=1e-5)
+    block(x).sum().backward()
+    for g, t in zip(got, (x, *mha.parameters()), strict=True):
+        torch.testing.assert_close(g, t.grad, atol=5e-5, rtol=1e-4)
+
+
 def _fw_bw_code(compiled, x) -> str:
     return "\n".join(run_fw_bw_and_get_code(lambda: compiled(x))[1])
 
