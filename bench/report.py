@@ -22,7 +22,9 @@ def _cell(row: dict[str, Any] | None, key: str) -> str:
     value = _fmt(row.get(key))
     used = row.get("backend")
     schedule = row["method"].removeprefix("dash_")
-    if key == "backward_tflops" and row["method"].startswith("dash_") and used and used != schedule:
+    if row["method"] == "sdpa_off" and used and used != "cudnn":
+        value += f" ({used})"
+    elif key == "backward_tflops" and row["method"].startswith("dash_") and used and used != schedule:
         value += f" ({used})"
     return value
 

@@ -117,6 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: N = 2048, 2 layers, 3 timed steps")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--markdown", type=Path, help="write the tables here, as markdown")
     parser.add_argument("--seqs", default="2048,4096,8192", help="comma-separated sequence lengths")
     parser.add_argument("--tokens", type=int, default=16384, help="B * N per step (default 16384)")
     parser.add_argument("--layers", type=int, default=12)
@@ -164,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(note)
         memory += attention_memory(seq, cfg)
     print_results(rows, memory)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(render_markdown(env, args, rows, memory))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"environment": env, "args": vars(args) | {"json": str(
@@ -194,6 +198,36 @@ def print_results(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) -> N
         else:
             print(f"  N={r['seq']} {r['method']} [{r['backend']}]: {r['extra_mib']:.0f} MiB "
                   f"({r['extra_over_q_size']:.2f} x the size of q)")
+
+
+def render_markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[dict[str, Any]],
+                    memory: list[dict[str, Any]]) -> str:
+    lines = [f"Measured on {env['gpu']}, torch {env['torch']}, Triton {env['triton']}, CUDA "
+             f"{env['cuda']}, {env['date']}: {args.layers} layers, d_model {args.d_model}, "
+             f"{args.heads} heads, {args.tokens} tokens per step, bf16, AdamW.", "",
+             "| N | " + " | ".join(VARIANTS) + " | dash / off | SDPA on / off |",
+             "|---|" + "---|" * (len(VARIANTS) + 2)]
+    by = {(r["seq"], r["variant"]): r for r in rows}
+    for seq in dict.fromkeys(r["seq"] for r in rows):
+        cells, times = [], {}
+        for name in VARIANTS:
+            r = by.get((seq, name), {})
+            times[name] = r.get("step_ms")
+            cells.append("error" if r.get("error") else
+                         f"{r['step_ms']:.1f} ms, {r['peak_memory_gib']:.1f} GiB")
+        off = times["determinism off"]
+        ratios = [f"{times[n] / off:.2f}" if times[n] and off else "—"
+                  for n in ("dash (determinism on)", "SDPA (determinism on)")]
+        lines.append(f"| {seq} | " + " | ".join(cells + ratios) + " |")
+    lines += ["", "Peak memory of one causal attention forward+backward beyond its inputs:", "",
+              "| N | method | backend | extra MiB | / size of q |", "|---|---|---|---|---|"]
+    for r in memory:
+        if r.get("error"):
+            lines.append(f"| {r['seq']} | {r['method']} | error: {r['error'][:80]} | | |")
+        else:
+            lines.append(f"| {r['seq']} | {r['method']} | {r['backend']} | {r['extra_mib']:.0f} | "
+                         f"{r['extra_over_q_size']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
