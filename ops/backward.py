@@ -18,7 +18,8 @@ import triton.language as tl
 from . import schedules as sch
 from .configs import arch_key, auto_schedule, backward_config, head_dim_bucket
 from .launch import (coresident_programs, cooperative_launch_supported, dot_precision, interpreting,
-                     mask_kind, mm, raise_if_spin_exceeded, warn_once)
+                     mask_kind, raise_if_spin_exceeded, warn_once)
+from .tiles import load_tile, mm
 
 LOG2E = 1.4426950408889634
 
@@ -58,15 +59,19 @@ def _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn,
 
 
 @triton.jit
-def _load_row_stats(LSE, DELTA, row_base, rows, L):
+def _load_row_stats(LSE, DELTA, row_base, rows, L, CHECK_ROWS: tl.constexpr):
     """Log2-domain logsumexp (+inf where a row sees no key, so its probabilities are 0) and delta."""
-    lse = tl.load(LSE + row_base + rows, mask=rows < L, other=float("-inf"))
+    if CHECK_ROWS:
+        lse = tl.load(LSE + row_base + rows, mask=rows < L, other=float("-inf"))
+        delta = tl.load(DELTA + row_base + rows, mask=rows < L, other=0.0)
+    else:
+        lse = tl.load(LSE + row_base + rows)
+        delta = tl.load(DELTA + row_base + rows)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + row_base + rows, mask=rows < L, other=0.0)
     return lse2, delta
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _wait_for_turn(ticket_ptr, rank, ERR, max_spin):
     """Spin (bounded) until this Q sub-tile's ticket equals ``rank``; on timeout raise the flag."""
     seen = tl.atomic_add(ticket_ptr, 0, sem="acquire")
@@ -78,6 +83,13 @@ def _wait_for_turn(ticket_ptr, rank, ERR, max_spin):
             spins += 1
         if seen != rank:
             tl.atomic_max(ERR, 1)
+
+
+@triton.jit(noinline=True)
+def _release_turn(ticket_ptr):
+    """Pass the Q sub-tile to the next rank once every thread's adds are issued."""
+    tl.debug_barrier()
+    tl.atomic_add(ticket_ptr, 1, sem="release")
 
 
 @triton.jit
@@ -94,7 +106,7 @@ def _backward_main_kernel(
         GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
         HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, EVEN_S: tl.constexpr,
+        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, EVEN_L: tl.constexpr, EVEN_S: tl.constexpr,
         SCHEDULE: tl.constexpr, NUM_SLOTS: tl.constexpr, ORDERED_WAITS: tl.constexpr,
         PRECISION: tl.constexpr):
     NSUB: tl.constexpr = BLOCK_N // BLOCK_M
@@ -110,16 +122,16 @@ def _backward_main_kernel(
         item = work % items_per_head
         b = head // HKV
         hkv = head % HKV
-        for slot in tl.static_range(NUM_SLOTS):
+        for slot in range(NUM_SLOTS):
             kv = sch.slot_kv_tile(item, slot, n_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
                 cols = kv * BLOCK_N + offs_n
                 k_base = b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
                 v_base = b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
-                k = tl.load(K + k_base + cols[:, None] * stride_kn + offs_e[None, :] * stride_ke,
-                            mask=(cols[:, None] < S) & (offs_e[None, :] < E), other=0.0)
-                v = tl.load(V + v_base + cols[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
-                            mask=(cols[:, None] < S) & (offs_ev[None, :] < EV), other=0.0)
+                k = load_tile(K + k_base, cols, offs_e, stride_kn, stride_ke, S, E,
+                              not EVEN_S, E != HEAD_E)
+                v = load_tile(V + v_base, cols, offs_ev, stride_vn, stride_ve, S, EV,
+                              not EVEN_S, EV != HEAD_EV)
                 dk = tl.zeros([BLOCK_N, HEAD_E], tl.float32)
                 dv = tl.zeros([BLOCK_N, HEAD_EV], tl.float32)
                 n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
@@ -134,11 +146,11 @@ def _backward_main_kernel(
                         qt = sch.q_tile_at(it // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
                         sub = it % NSUB
                         rows = qt * BLOCK_N + sub * BLOCK_M + offs_m
-                        q = tl.load(Q + q_base + rows[:, None] * stride_qm + offs_e[None, :] * stride_qe,
-                                    mask=(rows[:, None] < L) & (offs_e[None, :] < E), other=0.0)
-                        do = tl.load(DO + do_base + rows[:, None] * stride_dm + offs_ev[None, :] * stride_de,
-                                     mask=(rows[:, None] < L) & (offs_ev[None, :] < EV), other=0.0)
-                        lse2, delta = _load_row_stats(LSE, DELTA, row_base, rows, L)
+                        q = load_tile(Q + q_base, rows, offs_e, stride_qm, stride_qe, L, E,
+                                      not EVEN_L, E != HEAD_E)
+                        do = load_tile(DO + do_base, rows, offs_ev, stride_dm, stride_de, L, EV,
+                                       not EVEN_L, EV != HEAD_EV)
+                        lse2, delta = _load_row_stats(LSE, DELTA, row_base, rows, L, not EVEN_L)
                         s_t = mm(k, tl.trans(q), PRECISION) * qk_scale
                         s_t = _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn,
                                                MASK_KIND)
@@ -161,8 +173,7 @@ def _backward_main_kernel(
                                     rank = sch.reduction_rank(qt, kv, n_q, n_kv, CAUSAL, SCHEDULE)
                                     _wait_for_turn(ticket, rank, ERR, max_spin)
                                 tl.atomic_add(acc_ptrs, dq, sem="relaxed")
-                                tl.debug_barrier()
-                                tl.atomic_add(ticket, 1, sem="release")
+                                _release_turn(ticket)
                             else:
                                 tl.atomic_add(acc_ptrs, dq, sem="relaxed")
                 dk_base = b.to(tl.int64) * stride_dkb + hkv.to(tl.int64) * stride_dkh
@@ -184,10 +195,8 @@ def _dq_tile_step(dq, q, do, lse2, delta, K, V, k_base, v_base, m_base, MASK, ro
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, HEAD_E)
     offs_ev = tl.arange(0, HEAD_EV)
-    k = tl.load(K + k_base + cols[:, None] * stride_kn + offs_e[None, :] * stride_ke,
-                mask=(cols[:, None] < S) & (offs_e[None, :] < E), other=0.0)
-    v = tl.load(V + v_base + cols[:, None] * stride_vn + offs_ev[None, :] * stride_ve,
-                mask=(cols[:, None] < S) & (offs_ev[None, :] < EV), other=0.0)
+    k = load_tile(K + k_base, cols, offs_e, stride_kn, stride_ke, S, E, BOUNDS, E != HEAD_E)
+    v = load_tile(V + v_base, cols, offs_ev, stride_vn, stride_ve, S, EV, BOUNDS, EV != HEAD_EV)
     s_t = mm(k, tl.trans(q), PRECISION) * qk_scale
     s_t = _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn, MASK_KIND)
     if CAUSAL:
@@ -212,7 +221,7 @@ def _backward_dq_kernel(
         HQ, L, S, qk_scale, sm_scale,
         GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
         HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr):
+        EVEN_M: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of one Q tile from all its KV tiles in ascending order (recompute schedule): no waits."""
     pid_bh = tl.program_id(1)
     b = pid_bh // HQ
@@ -222,13 +231,11 @@ def _backward_dq_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_e = tl.arange(0, HEAD_E)
     offs_ev = tl.arange(0, HEAD_EV)
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh
-                + rows[:, None] * stride_qm + offs_e[None, :] * stride_qe,
-                mask=(rows[:, None] < L) & (offs_e[None, :] < E), other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * stride_db + hq.to(tl.int64) * stride_dh
-                 + rows[:, None] * stride_dm + offs_ev[None, :] * stride_de,
-                 mask=(rows[:, None] < L) & (offs_ev[None, :] < EV), other=0.0)
-    lse2, delta = _load_row_stats(LSE, DELTA, pid_bh.to(tl.int64) * L, rows, L)
+    q = load_tile(Q + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh, rows, offs_e,
+                  stride_qm, stride_qe, L, E, not EVEN_M, E != HEAD_E)
+    do = load_tile(DO + b.to(tl.int64) * stride_db + hq.to(tl.int64) * stride_dh, rows, offs_ev,
+                   stride_dm, stride_de, L, EV, not EVEN_M, EV != HEAD_EV)
+    lse2, delta = _load_row_stats(LSE, DELTA, pid_bh.to(tl.int64) * L, rows, L, not EVEN_M)
     k_base = b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
     v_base = b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
     m_base = b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
@@ -323,7 +330,8 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 scale * LOG2E, scale, max_spin)
         kwargs = dict(GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_e, HEAD_EV=head_ev,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=is_causal,
-                      MASK_KIND=mask_kind(mask), EVEN_S=seq_k % cfg.block_n == 0,
+                      MASK_KIND=mask_kind(mask), EVEN_L=seq_q % cfg.block_n == 0,
+                      EVEN_S=seq_k % cfg.block_n == 0,
                       SCHEDULE=sch.SCHEDULE_IDS[sched], NUM_SLOTS=sch.num_slots(is_causal, sched),
                       ORDERED_WAITS=waits, PRECISION=precision,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -353,7 +361,8 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides, *dq.stride(),
             hq, seq_q, seq_k, scale * LOG2E, scale,
             GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_e, HEAD_EV=head_ev,
-            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, CAUSAL=is_causal,
+            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, EVEN_M=seq_q % cfg.dq_block_m == 0,
+            CAUSAL=is_causal,
             MASK_KIND=mask_kind(mask), PRECISION=precision,
             num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages)
     else:

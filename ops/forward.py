@@ -13,32 +13,25 @@ import triton
 import triton.language as tl
 
 from .configs import arch_key, forward_config, head_dim_bucket
-from .launch import dot_precision, mask_kind, mm
+from .launch import dot_precision, mask_kind
+from .tiles import load_tile, mm
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-MASK_NONE: tl.constexpr = tl.constexpr(0)
-MASK_BOOL: tl.constexpr = tl.constexpr(1)
-MASK_ADD: tl.constexpr = tl.constexpr(2)
-
 
 @triton.jit
-def _scores_tile(q, k_ptrs, mask_ptrs, offs_m, offs_n, start_n, L, S, qk_scale,
-                 stride_mask_n, stride_kn,
-                 MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BOUNDS: tl.constexpr,
-                 E: tl.constexpr, HEAD_E: tl.constexpr, PRECISION: tl.constexpr):
+def _scores_tile(q, K, offs_m, offs_n, start_n, L, S, qk_scale, MASK, stride_mm, stride_mn,
+                 stride_kn, stride_ke, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+                 BOUNDS: tl.constexpr, E: tl.constexpr, HEAD_E: tl.constexpr, PRECISION: tl.constexpr):
     """Scores of one KV tile in the log2 domain, with bounds, causal and user masks applied."""
     cols = start_n + offs_n
-    offs_e = tl.arange(0, HEAD_E)
-    k = tl.load(k_ptrs + start_n * stride_kn, mask=(cols[None, :] < S) & (offs_e[:, None] < E), other=0.0)
-    s = mm(q, k, PRECISION) * qk_scale
-    if MASK_KIND == MASK_BOOL:
-        keep = tl.load(mask_ptrs + start_n * stride_mask_n,
+    k = load_tile(K, cols, tl.arange(0, HEAD_E), stride_kn, stride_ke, S, E, BOUNDS, E != HEAD_E)
+    s = mm(q, tl.trans(k), PRECISION) * qk_scale
+    if MASK_KIND == 1:
+        keep = tl.load(MASK + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn,
                        mask=(offs_m[:, None] < L) & (cols[None, :] < S), other=0)
         s = tl.where(keep != 0, s, float("-inf"))
-    if MASK_KIND == MASK_ADD:
-        add = tl.load(mask_ptrs + start_n * stride_mask_n,
+    if MASK_KIND == 2:
+        add = tl.load(MASK + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn,
                       mask=(offs_m[:, None] < L) & (cols[None, :] < S), other=0.0)
         s = s + add.to(tl.float32) * 1.4426950408889634
     if BOUNDS:
@@ -49,17 +42,17 @@ def _scores_tile(q, k_ptrs, mask_ptrs, offs_m, offs_n, start_n, L, S, qk_scale,
 
 
 @triton.jit
-def _online_step(acc, m_i, l_i, s, v_ptrs, start_n, offs_n, S, stride_vn,
-                 EV: tl.constexpr, HEAD_EV: tl.constexpr, PRECISION: tl.constexpr):
+def _online_step(acc, m_i, l_i, s, V, start_n, offs_n, S, stride_vn, stride_ve,
+                 BOUNDS: tl.constexpr, EV: tl.constexpr, HEAD_EV: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """Fold one tile of log2-domain scores into the running max, sum and output accumulator."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    offs_ev = tl.arange(0, HEAD_EV)
-    cols = start_n + offs_n
-    v = tl.load(v_ptrs + start_n * stride_vn, mask=(cols[:, None] < S) & (offs_ev[None, :] < EV), other=0.0)
+    v = load_tile(V, start_n + offs_n, tl.arange(0, HEAD_EV), stride_vn, stride_ve, S, EV, BOUNDS,
+                  EV != HEAD_EV)
     acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, PRECISION)
     return acc, m_new, l_i
 
@@ -75,7 +68,7 @@ def _attention_forward_kernel(
         HQ, L, S, qk_scale,
         GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
         HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -85,18 +78,13 @@ def _attention_forward_kernel(
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_e = tl.arange(0, HEAD_E)
     offs_ev = tl.arange(0, HEAD_EV)
 
-    q_ptrs = (Q + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh
-              + offs_m[:, None] * stride_qm + offs_e[None, :] * stride_qe)
-    q = tl.load(q_ptrs, mask=(offs_m[:, None] < L) & (offs_e[None, :] < E), other=0.0)
-    k_ptrs = (K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
-              + offs_n[None, :] * stride_kn + offs_e[:, None] * stride_ke)
-    v_ptrs = (V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
-              + offs_n[:, None] * stride_vn + offs_ev[None, :] * stride_ve)
-    mask_ptrs = (MASK + b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
-                 + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn)
+    q = load_tile(Q + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh, offs_m,
+                  tl.arange(0, HEAD_E), stride_qm, stride_qe, L, E, not EVEN_M, E != HEAD_E)
+    k_ptr = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_ptr = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    mask_ptr = MASK + b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -110,15 +98,17 @@ def _attention_forward_kernel(
         end = S
         full_end = (S // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
-        s = _scores_tile(q, k_ptrs, mask_ptrs, offs_m, offs_n, start_n, L, S, qk_scale,
-                         stride_mn, stride_kn, MASK_KIND, False, False, E, HEAD_E, PRECISION)
-        acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptrs, start_n, offs_n, S, stride_vn,
-                                     EV, HEAD_EV, PRECISION)
+        s = _scores_tile(q, k_ptr, offs_m, offs_n, start_n, L, S, qk_scale,
+                         mask_ptr, stride_mm, stride_mn, stride_kn, stride_ke,
+                         MASK_KIND, False, False, E, HEAD_E, PRECISION)
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptr, start_n, offs_n, S,
+                                     stride_vn, stride_ve, False, EV, HEAD_EV, PRECISION)
     for start_n in range(full_end, end, BLOCK_N):
-        s = _scores_tile(q, k_ptrs, mask_ptrs, offs_m, offs_n, start_n, L, S, qk_scale,
-                         stride_mn, stride_kn, MASK_KIND, CAUSAL, True, E, HEAD_E, PRECISION)
-        acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptrs, start_n, offs_n, S, stride_vn,
-                                     EV, HEAD_EV, PRECISION)
+        s = _scores_tile(q, k_ptr, offs_m, offs_n, start_n,
+                         L, S, qk_scale, mask_ptr, stride_mm, stride_mn, stride_kn, stride_ke,
+                         MASK_KIND, CAUSAL, True, E, HEAD_E, PRECISION)
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptr, start_n, offs_n, S,
+                                     stride_vn, stride_ve, True, EV, HEAD_EV, PRECISION)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -156,6 +146,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
         hq, seq_q, seq_k, scale * LOG2E,
         GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e), HEAD_EV=head_dim_bucket(ev),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN_M=seq_q % cfg.block_m == 0,
         CAUSAL=is_causal, MASK_KIND=mask_kind(mask), PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -14,8 +14,6 @@ import os
 import warnings
 
 import torch
-import triton
-import triton.language as tl
 
 MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
 
@@ -25,8 +23,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# The CPU interpreter multiplies bf16 tiles as their raw 16-bit integers (Triton 3.9), so there the
-# kernels widen bf16 operands to fp32 first; the products of two bf16 values are exact in fp32.
+# Under the CPU interpreter bf16 dots widen their operands (see ops/tiles.py: mm).
 WIDEN_BF16 = "widen_bf16"
 
 
@@ -37,16 +34,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.bfloat16 and interpreting():
         return WIDEN_BF16
     return "tf32"
-
-
-@triton.jit
-def mm(a, b, PRECISION: tl.constexpr):
-    """``tl.dot(a, b)`` with fp32 accumulation at the precision chosen by :func:`dot_precision`."""
-    if PRECISION == "widen_bf16":
-        product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        product = tl.dot(a, b, input_precision=PRECISION)
-    return product
 
 
 def mask_kind(mask: torch.Tensor | None) -> int:
@@ -84,18 +71,27 @@ def _blocks_per_sm(compiled, device: torch.device) -> int:
     return max(1, min(by_regs, by_threads, by_smem, 32))
 
 
-_CAPACITY: dict[tuple[str, int], int] = {}
+_CAPACITY: dict[tuple, int] = {}
+
+
+def _specialization(value: object) -> object:
+    """What Triton specialises an argument on (so equal keys mean the same compiled binary)."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, int):
+        return (value == 1, value % 16 == 0)
+    return type(value)
 
 
 def coresident_programs(kernel, args: tuple, kwargs: dict, device: torch.device) -> int:
     """The number of programs of ``kernel`` (with these arguments) that can run at once on ``device``.
 
-    Compiles the kernel (Triton's warmup, a cache hit after the first call) to read its resource
-    use; the answer is cached per compiled binary.
+    Compiles the kernel (Triton's warmup) once per specialisation to read its register and shared
+    memory use; later calls are a dictionary lookup.
     """
-    compiled = kernel.warmup(*args, grid=(1,), **kwargs)
-    key = (compiled.hash, device.index or 0)
+    key = (device.index or 0, tuple(sorted(kwargs.items())), tuple(map(_specialization, args)))
     if key not in _CAPACITY:
+        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         _CAPACITY[key] = sms * _blocks_per_sm(compiled, device)
     return _CAPACITY[key]

@@ -1,0 +1,182 @@
+"""Correctness and speed of the kernels on one GPU, in one process (run on an H100/H200).
+
+    python bench/gpu_check.py --out DIR [--check] [--time] [--sweep] [--dims 64,128] [--seqs 1024,4096]
+
+--check: FlashAttention-rule accuracy of forward and every backward schedule, and 5-repeat bitwise
+equality of the deterministic ones. --time: TFLOP/s of forward and of each backward schedule on the
+DESIGN.md grid (bf16, H*D = 2048, B*N = 16384), with SDPA (determinism off) as anchor. --sweep:
+backward and forward tile configs on d64/d128, N = 4096. FLOPs as FlashAttention counts them:
+forward 4*B*H*N^2*D (halved when causal), backward 2.5x forward. Timings: triton's do_bench median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from dash_inductor.ops import attention_backward, attention_forward
+from dash_inductor.ops.configs import BackwardConfig, ForwardConfig
+
+SCHEDULES = ("atomic", "recompute", "ascending", "descending", "shift")
+
+
+def inputs(batch, heads, seq, dim, kv_heads=None, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv_heads = kv_heads or heads
+    shape_q, shape_kv = (batch, heads, seq, dim), (batch, kv_heads, seq, dim)
+    return [torch.randn(s, device="cuda", dtype=dtype, generator=gen)
+            for s in (shape_q, shape_kv, shape_kv, shape_q)]
+
+
+def forward(q, k, v, causal, config=None):
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=q.shape[-1] ** -0.5,
+                      config=config)
+    return out, lse
+
+
+def backward(q, k, v, do, out, lse, causal, schedule, config=None):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    used = attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
+                              scale=q.shape[-1] ** -0.5, schedule=schedule, config=config)
+    return used, (dq, dk, dv)
+
+
+def sdpa(q, k, v, do, causal, dtype, backend=None):
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    ctx = torch.nn.attention.sdpa_kernel(backend) if backend else torch.enable_grad()
+    with ctx:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    o.backward(do.to(dtype))
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def check(report):
+    math = torch.nn.attention.SDPBackend.MATH
+    for (b, h, hkv, n, d) in [(2, 8, 8, 1024, 64), (1, 16, 16, 2048, 128), (2, 8, 2, 1000, 128)]:
+        for causal in (False, True):
+            q, k, v, do = inputs(b, h, n, d, kv_heads=hkv)
+            ref = sdpa(q, k, v, do, causal, torch.float32, math)
+            same = sdpa(q, k, v, do, causal, torch.bfloat16, math)
+            out, lse = forward(q, k, v, causal)
+            for schedule in SCHEDULES:
+                used, grads = backward(q, k, v, do, out, lse, causal, schedule)
+                worst = max(((a.float() - r).abs().max() / (2 * (s.float() - r).abs().max() + 1e-3)).item()
+                            for a, s, r in zip((out, *grads), same, ref))
+                reps = [backward(q, k, v, do, out, lse, causal, schedule)[1] for _ in range(5)]
+                bitwise = all(torch.equal(x, y) for g in reps for x, y in zip(g, grads))
+                row = dict(kind="check", shape=(b, h, hkv, n, d), causal=causal, schedule=used,
+                           error_over_bound=round(worst, 3), ok=worst <= 1.0, bitwise5=bitwise)
+                report.append(row)
+                print(row, flush=True)
+
+
+def tflops(ms, b, h, n, d, causal, backward_pass):
+    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0) * (2.5 if backward_pass else 1.0)
+    return flops / ms * 1e-9
+
+
+def time_grid(report, dims, seqs, gqa=False):
+    for d in dims:
+        for n in seqs:
+            b, h = 16384 // n, 2048 // d
+            for causal in (False, True):
+                q, k, v, do = inputs(b, h, n, d, kv_heads=h // 4 if gqa else None)
+                out, lse = forward(q, k, v, causal)
+                row = dict(kind="time", b=b, h=h, n=n, d=d, causal=causal, gqa=gqa)
+                row["fwd"] = tflops(do_bench(lambda: forward(q, k, v, causal), return_mode="median"),
+                                    b, h, n, d, causal, False)
+                for schedule in SCHEDULES:
+                    used = backward(q, k, v, do, out, lse, causal, schedule)[0]
+                    ms = do_bench(lambda: backward(q, k, v, do, out, lse, causal, schedule),
+                                  return_mode="median")
+                    row[schedule if used == schedule else f"{schedule}->{used}"] = tflops(
+                        ms, b, h, n, d, causal, True)
+                qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa)
+                row["sdpa_fwd"] = tflops(do_bench(lambda: F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=causal, enable_gqa=gqa), return_mode="median"), b, h, n, d, causal, False)
+                row["sdpa_bwd"] = tflops(do_bench(lambda: torch.autograd.grad(o, (qs, ks, vs), do, retain_graph=True),
+                                                  return_mode="median"), b, h, n, d, causal, True)
+                report.append({k2: (round(x, 1) if isinstance(x, float) else x) for k2, x in row.items()})
+                print(report[-1], flush=True)
+
+
+BACKWARD_CANDIDATES = [BackwardConfig(*c, 128, 64, 8, 2) for c in (
+    (64, 128, 8, 2), (64, 128, 8, 1), (32, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3),
+    (64, 128, 4, 2), (128, 128, 8, 2))]
+FORWARD_CANDIDATES = [ForwardConfig(*c) for c in (
+    (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3))]
+
+
+def sweep(report, dims, schedules):
+    for d in dims:
+        n = 4096
+        b, h = 16384 // n, 2048 // d
+        for causal in (False, True):
+            q, k, v, do = inputs(b, h, n, d)
+            out, lse = forward(q, k, v, causal)
+            for cfg in FORWARD_CANDIDATES:
+                try:
+                    ms = do_bench(lambda: forward(q, k, v, causal, cfg), return_mode="median")
+                    row = dict(kind="sweep_fwd", d=d, causal=causal, cfg=cfg.__dict__,
+                               tflops=round(tflops(ms, b, h, n, d, causal, False), 1))
+                except Exception as exc:  # out of resources: record and go on
+                    row = dict(kind="sweep_fwd", d=d, causal=causal, cfg=cfg.__dict__, error=str(exc)[:80])
+                report.append(row)
+                print(row, flush=True)
+            for cfg in BACKWARD_CANDIDATES:
+                for schedule in schedules:
+                    try:
+                        ms = do_bench(lambda: backward(q, k, v, do, out, lse, causal, schedule, cfg),
+                                      return_mode="median")
+                        row = dict(kind="sweep_bwd", d=d, causal=causal, schedule=schedule, cfg=cfg.__dict__,
+                                   tflops=round(tflops(ms, b, h, n, d, causal, True), 1))
+                    except Exception as exc:
+                        row = dict(kind="sweep_bwd", d=d, causal=causal, schedule=schedule,
+                                   cfg=cfg.__dict__, error=str(exc)[:80])
+                    report.append(row)
+                    print(row, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--time", action="store_true")
+    parser.add_argument("--gqa", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--dims", default="64,128")
+    parser.add_argument("--seqs", default="1024,4096,16384")
+    parser.add_argument("--sweep-schedules", default="atomic,ascending")
+    args = parser.parse_args()
+    dims = [int(x) for x in args.dims.split(",")]
+    report = [dict(kind="env", device=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=triton.__version__, sms=torch.cuda.get_device_properties(0).multi_processor_count)]
+    print(report[0], flush=True)
+    start = time.time()
+    try:
+        if args.check:
+            check(report)
+        if args.time:
+            time_grid(report, dims, [int(x) for x in args.seqs.split(",")], gqa=args.gqa)
+        if args.sweep:
+            sweep(report, dims, args.sweep_schedules.split(","))
+    finally:
+        report.append(dict(kind="wall", seconds=round(time.time() - start, 1)))
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Tile-level ``@triton.jit`` helpers shared by the forward and backward kernels.
+
+Loads check only the bounds that can be exceeded (constexpr flags), so the hot loops over whole
+tiles issue unmasked, vectorisable loads; the dot widens bf16 where the CPU interpreter needs it.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_tile(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols,
+              CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Load ``ptr[rows, cols]`` (zeros outside ``n_rows`` x ``n_cols`` where checked)."""
+    ptrs = ptr + rows[:, None] * stride_r + cols[None, :] * stride_c
+    if CHECK_ROWS and CHECK_COLS:
+        tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+    elif CHECK_ROWS:
+        tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    elif CHECK_COLS:
+        tile = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def mm(a, b, PRECISION: tl.constexpr):
+    """``tl.dot(a, b)`` with fp32 accumulation at the precision chosen by ``dot_precision``.
+
+    "widen_bf16": the CPU interpreter multiplies bf16 tiles as their raw 16-bit integers (Triton
+    3.9), so there the operands are widened to fp32 first (products of bf16 values are exact).
+    """
+    if PRECISION == "widen_bf16":
+        product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        product = tl.dot(a, b, input_precision=PRECISION)
+    return product

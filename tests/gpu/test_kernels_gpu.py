@@ -1,0 +1,125 @@
+"""GPU tests of the kernels: accuracy by the FlashAttention rule, bitwise repeatability, batch
+invariance, no hang on many tiles or long sequences, and the bounded-spin error.
+
+Only a GPU runs the programs concurrently, so only here are the ordered dQ waits really exercised.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from dash_inductor.ops import attention_backward, attention_forward
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DETERMINISTIC = ("ascending", "descending", "shift", "recompute")
+
+
+def _inputs(batch, hq, hkv, seq, dim, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, hq, seq, dim, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(batch, hkv, seq, dim, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(batch, hkv, seq, dim, device="cuda", dtype=dtype, generator=gen)
+    do = torch.randn(batch, hq, seq, dim, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v, do
+
+
+def _ours(q, k, v, do, causal, schedule, max_spin=1 << 26):
+    scale = q.shape[-1] ** -0.5
+    out = torch.empty_like(do)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal, scale=scale,
+                       schedule=schedule, max_spin=max_spin)
+    return out, dq, dk, dv
+
+
+def _sdpa_math(q, k, v, do, causal, dtype):
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+    out.backward(do.to(dtype))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _assert_flash_rule(ours, same, ref):
+    """|ours - ref| <= 2 |same - ref| + 1e-3 (max over elements), as FlashAttention tests."""
+    for name, a, s, r in zip(("out", "dq", "dk", "dv"), ours, same, ref):
+        ours_err = (a.float() - r).abs().max().item()
+        torch_err = (s.float() - r).abs().max().item()
+        assert ours_err <= 2 * torch_err + 1e-3, f"{name}: {ours_err:.3g} > 2*{torch_err:.3g}+1e-3"
+
+
+ACCURACY_SHAPES = [(2, 8, 8, 1024, 64), (1, 16, 16, 2048, 128), (2, 8, 2, 1000, 128), (1, 4, 4, 777, 96)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", ACCURACY_SHAPES, ids=str)
+def test_flash_rule_every_schedule(shape, causal, dtype):
+    q, k, v, do = _inputs(*shape, dtype=dtype)
+    ref = _sdpa_math(q, k, v, do, causal, torch.float32)
+    same = _sdpa_math(q, k, v, do, causal, dtype)
+    for schedule in (*DETERMINISTIC, "atomic"):
+        _assert_flash_rule(_ours(q, k, v, do, causal, schedule), same, ref)
+
+
+BITWISE_SHAPES = [(2, 8, 8, 1024, 64), (1, 16, 16, 4096, 128), (2, 16, 4, 2048, 128)]
+
+
+@pytest.mark.parametrize("schedule", DETERMINISTIC)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", BITWISE_SHAPES, ids=str)
+def test_bitwise_equal_over_100_repeats(shape, causal, schedule):
+    q, k, v, do = _inputs(*shape, seed=1)
+    first = _ours(q, k, v, do, causal, schedule)[1:]
+    for _ in range(100):
+        again = _ours(q, k, v, do, causal, schedule)[1:]
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("schedule", DETERMINISTIC)
+def test_batch_invariance(schedule):
+    q, k, v, do = _inputs(8, 8, 8, 1024, 64, seed=2)
+    for causal in (False, True):
+        batched = _ours(q, k, v, do, causal, schedule)[1:]
+        alone = _ours(q[3:4], k[3:4], v[3:4], do[3:4], causal, schedule)[1:]
+        assert all(torch.equal(a, b[3:4]) for a, b in zip(alone, batched))
+
+
+def _close_to_recompute(q, k, v, do, causal, schedule):
+    base = _ours(q, k, v, do, causal, "recompute")[1:]
+    grads = _ours(q, k, v, do, causal, schedule)[1:]
+    for a, b in zip(grads, base):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("schedule", ("ascending", "descending", "shift", "atomic"))
+def test_many_tiles_no_hang(schedule):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    heads = -(-30 * sms // (4 * 32))  # batch 4, 32 KV tiles of 128 per head: 30x the SM count
+    q, k, v, do = _inputs(4, heads, heads, 4096, 64, seed=3)
+    for causal in (False, True):
+        _close_to_recompute(q, k, v, do, causal, schedule)
+
+
+@pytest.mark.parametrize("schedule", ("ascending", "descending", "shift"))
+def test_seq_65536_no_hang(schedule):
+    q, k, v, do = _inputs(1, 2, 2, 65536, 64, seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # shift may fall back on long heads
+        for causal in (False, True):
+            _close_to_recompute(q, k, v, do, causal, schedule)
+
+
+def test_exceeded_spin_bound_raises():
+    q, k, v, do = _inputs(2, 16, 16, 4096, 64, seed=5)
+    with pytest.raises(RuntimeError, match="max_spin.*schedule 'ascending'"):
+        _ours(q, k, v, do, False, "ascending", max_spin=1)
+    _close_to_recompute(q, k, v, do, False, "ascending")  # the next call is unaffected
