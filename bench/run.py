@@ -136,6 +136,7 @@ def worker(args: argparse.Namespace, tasks: list[tuple[m.Problem, m.Method]]) ->
             problem, method = tasks[index]
             if problem != current:
                 inputs = None
+                torch._dynamo.reset()  # FlexAttention compiles per shape; stay under the recompile limit
                 torch.cuda.empty_cache()
                 current, inputs, dash_forward_ms = problem, m.make_inputs(problem), None
             row = measure_one(problem, method, inputs, dash_forward_ms, args.warmup, args.rep)
