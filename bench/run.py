@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 import methods as m  # noqa: E402
 import report  # noqa: E402
-from dash_inductor.demo import ProgressBar  # noqa: E402
+from dash_inductor.demo import ProgressBar, quiet_cache_key_warnings  # noqa: E402
 
 CONTEXT_LOST = 3  #: the worker's exit status after a CUDA error that poisons the process
 
@@ -127,7 +127,7 @@ def measure_one(problem: m.Problem, method: m.Method, inputs, dash_forward_ms: f
 
 def worker(args: argparse.Namespace, tasks: list[tuple[m.Problem, m.Method]]) -> int:
     """Measure ``tasks[args.start:]``, appending JSON lines to ``args.rows_file``."""
-    with open(args.rows_file, "a") as sink:
+    with open(args.rows_file, "a") as sink, quiet_cache_key_warnings():
         sink.write(json.dumps({"environment": environment()}) + "\n")
         bar = ProgressBar(len(tasks), "bench")
         bar.done = args.start
