@@ -128,8 +128,8 @@ def _example(value: Any) -> Any:
     return value
 
 
-def _graph_reason(bound: dict[str, Any]) -> str | None:
-    """Reasons visible in the graph itself, before asking the op about shapes and dtypes."""
+def _sdpa_reason(bound: dict[str, Any]) -> str | None:
+    """Why the op cannot take this SDPA call: first what the graph shows, then the op's own rules."""
     for name in _CONSTANT_PARAMS:
         if isinstance(bound[name], torch.fx.Node):
             return f"{name} is not a constant at compile time"
@@ -144,15 +144,7 @@ def _graph_reason(bound: dict[str, Any]) -> str | None:
             return f"{name} has no example tensor in the graph (got {type(example).__name__})"
         if example.is_nested:
             return f"{name} is a nested tensor"
-    return None
-
-
-def _sdpa_reason(bound: dict[str, Any]) -> str | None:
-    reason = _graph_reason(bound)
-    if reason is not None:
-        return reason
-    examples = {name: _example(bound[name]) for name in SDPA_PARAMS}
-    return unsupported_reason(**examples)
+    return unsupported_reason(**{name: _example(bound[name]) for name in SDPA_PARAMS})
 
 
 def _fake_outputs(bound: dict[str, Any]) -> Any:
@@ -177,13 +169,12 @@ def _rewrite_sdpa_call(match: Match, *args: Any, **kwargs: Any) -> None:
     node = match.nodes[0]
     bound, reason = _bind_sdpa(node)
     reason = _disabled_reason() or reason
-    if reason is None:
-        reason = _sdpa_reason(bound)
     fake = None
     if reason is None:
         try:
-            fake = _fake_outputs(bound)
-        except Exception as error:  # the op's own input checks: keep SDPA, say why
+            reason = _sdpa_reason(bound)
+            fake = None if reason else _fake_outputs(bound)
+        except Exception as error:  # never break the user's compile: keep SDPA and say why
             reason = f"dash.attention rejected the example inputs: {error}"
     _report(node, "pre-grad", reason)
     if reason is not None:
@@ -200,8 +191,7 @@ def _rewrite_sdpa_call(match: Match, *args: Any, **kwargs: Any) -> None:
              "enable_gqa": bound["enable_gqa"]})
         out = graph.call_function(operator.getitem, (call, 0))
     for new, value in ((call, fake), (out, fake[0])):
-        new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack",
-                                                                   "source_fn_stack")})
+        new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
         new.meta["example_value"] = value
     node.replace_all_uses_with(out)
     graph.erase_node(node)
@@ -303,7 +293,9 @@ def _fused_backwards(forward: torch.fx.Node) -> list[torch.fx.Node]:
     return list(readers)
 
 
-def _with_val(node: torch.fx.Node, val: Any) -> torch.fx.Node:
+def _call(graph: torch.fx.Graph, target: Any, args: tuple[Any, ...], val: Any) -> torch.fx.Node:
+    """A new call_function node with its fake value (the partitioner reads ``meta["val"]``)."""
+    node = graph.call_function(target, args)
     node.meta["val"] = val
     return node
 
@@ -336,35 +328,37 @@ def _rewrite_fused_attention(match: Match, *args: Any, **kwargs: Any) -> None:
     if _DECIDED in forward.meta.get("custom", {}):
         return
     backwards = _fused_backwards(forward)
-    reason = _disabled_reason() or _joint_reason(bound, backwards)
+    tensors = [bound["query"], bound["key"], bound["value"], bound["attn_mask"]]
+    vals = [_example(t) for t in tensors]
+    flags = (bool(bound["is_causal"]), bound["scale"], False)
+    reason = _disabled_reason()
+    if reason is None:
+        try:  # decide and compute every fake value before touching the graph
+            reason = _joint_reason(bound, backwards)
+            if reason is None:
+                with vals[0].fake_mode:
+                    out_val, lse_val = torch.ops.dash.attention.default(*vals, *flags)
+                    grad_vals = [torch.ops.dash.attention_backward.default(
+                        _example(b.args[0]), *vals[:3], out_val, lse_val, vals[3], *flags)
+                        for b in backwards]
+        except Exception as error:  # never break the user's compile: keep SDPA and say why
+            reason = f"dash.attention rejected the example inputs: {error}"
     _report(forward, "joint", reason)
     if reason is not None:
         return
     graph = forward.graph
-    tensors = [bound["query"], bound["key"], bound["value"], bound["attn_mask"]]
-    vals = [_example(t) for t in tensors]
-    flags = (bool(bound["is_causal"]), bound["scale"], False)
-    fake_mode = vals[0].fake_mode
-    with fake_mode:
-        out_val, lse_val = torch.ops.dash.attention.default(*vals, *flags)
     with graph.inserting_before(forward):
-        call = _with_val(graph.call_function(torch.ops.dash.attention.default, (*tensors, *flags)),
-                         (out_val, lse_val))
-        out = _with_val(graph.call_function(operator.getitem, (call, 0)), out_val)
-        lse = _with_val(graph.call_function(operator.getitem, (call, 1)), lse_val)
-    for backward in backwards:
-        grad_out = backward.args[0]
-        with graph.inserting_before(backward), fake_mode:
-            grad_vals = torch.ops.dash.attention_backward.default(
-                _example(grad_out), *vals[:3], out_val, lse_val, vals[3], *flags)
-            grads = _with_val(graph.call_function(
-                torch.ops.dash.attention_backward.default,
-                (grad_out, *tensors[:3], out, lse, tensors[3], *flags)), grad_vals)
+        call = _call(graph, torch.ops.dash.attention.default, (*tensors, *flags), (out_val, lse_val))
+        out = _call(graph, operator.getitem, (call, 0), out_val)
+        lse = _call(graph, operator.getitem, (call, 1), lse_val)
+    for backward, grad_val in zip(backwards, grad_vals):
+        with graph.inserting_before(backward):
+            grads = _call(graph, torch.ops.dash.attention_backward.default,
+                          (backward.args[0], *tensors[:3], out, lse, tensors[3], *flags), grad_val)
             for index in range(3):
-                old = _output(backward, index)
-                if old is not None:
-                    old.replace_all_uses_with(_with_val(
-                        graph.call_function(operator.getitem, (grads, index)), grad_vals[index]))
+                if (old := _output(backward, index)) is not None:
+                    old.replace_all_uses_with(
+                        _call(graph, operator.getitem, (grads, index), grad_val[index]))
         _erase_with_outputs(backward)
     old_out = _output(forward, 0)
     if old_out is not None:
