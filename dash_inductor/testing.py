@@ -345,9 +345,9 @@ def assert_bitwise_reproducible(fn: Callable[..., Any], *args: Any, runs: int = 
     """
     if runs < 2:
         raise ValueError(f"assert_bitwise_reproducible: runs must be >= 2, got {runs}")
-    first, _ = _run(fn, args, kwargs, lambda outs: _random_like(outs, grad_seed))
+    first, upstream = _run(fn, args, kwargs, lambda outs: _random_like(outs, grad_seed))
     for run in range(1, runs):
-        again, _ = _run(fn, args, kwargs, lambda outs: _random_like(outs, grad_seed))
+        again, _ = _run(fn, args, kwargs, lambda outs: upstream)
         _compare(first, again, f"not bitwise reproducible: run {run} of {runs} differs from run 0")
     return first
 
