@@ -62,7 +62,7 @@ def sdpa(q, k, v, do, causal, dtype, backend=None):
 
 def check(report):
     math = torch.nn.attention.SDPBackend.MATH
-    for (b, h, hkv, n, d) in [(2, 8, 8, 1024, 64), (1, 16, 16, 2048, 128), (2, 8, 2, 1000, 128)]:
+    for (b, h, hkv, n, d) in [(2, 8, 8, 1024, 64), (1, 16, 16, 2048, 128), (2, 8, 2, 1000, 128), (1, 4, 4, 700, 256)]:
         for causal in (False, True):
             q, k, v, do = inputs(b, h, n, d, kv_heads=hkv)
             ref = sdpa(q, k, v, do, causal, torch.float32, math)
@@ -111,9 +111,10 @@ def time_grid(report, dims, seqs, gqa=False):
                 print(report[-1], flush=True)
 
 
-BACKWARD_CANDIDATES = [BackwardConfig(*c, 128, 64, 8, 2) for c in (
-    (64, 128, 8, 2), (64, 128, 8, 1), (32, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3),
-    (64, 128, 4, 2), (128, 128, 8, 2))]
+BACKWARD_CANDIDATES = {  # (block_m, block_n, num_warps, num_stages) of the main kernel
+    128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2)],
+    64: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2)],
+}
 FORWARD_CANDIDATES = [ForwardConfig(*c) for c in (
     (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3))]
 
@@ -134,7 +135,8 @@ def sweep(report, dims, schedules):
                     row = dict(kind="sweep_fwd", d=d, causal=causal, cfg=cfg.__dict__, error=str(exc)[:80])
                 report.append(row)
                 print(row, flush=True)
-            for cfg in BACKWARD_CANDIDATES:
+            for main in BACKWARD_CANDIDATES.get(d, BACKWARD_CANDIDATES[128]) if not causal else ():
+                cfg = BackwardConfig(*main, 128, 64, 8, 2)
                 for schedule in schedules:
                     try:
                         ms = do_bench(lambda: backward(q, k, v, do, out, lse, causal, schedule, cfg),

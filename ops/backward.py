@@ -71,7 +71,7 @@ def _load_row_stats(LSE, DELTA, row_base, rows, L, CHECK_ROWS: tl.constexpr):
     return lse2, delta
 
 
-@triton.jit(noinline=True)
+@triton.jit
 def _wait_for_turn(ticket_ptr, rank, ERR, max_spin):
     """Spin (bounded) until this Q sub-tile's ticket equals ``rank``; on timeout raise the flag."""
     seen = tl.atomic_add(ticket_ptr, 0, sem="acquire")
@@ -85,11 +85,25 @@ def _wait_for_turn(ticket_ptr, rank, ERR, max_spin):
             tl.atomic_max(ERR, 1)
 
 
-@triton.jit(noinline=True)
-def _release_turn(ticket_ptr):
-    """Pass the Q sub-tile to the next rank once every thread's adds are issued."""
-    tl.debug_barrier()
-    tl.atomic_add(ticket_ptr, 1, sem="release")
+@triton.jit
+def _add_in_turn(acc_ptrs, dq, ticket_ptr, FENCED: tl.constexpr):
+    """Add the dQ tile, then pass the Q sub-tile to the next rank.
+
+    FENCED (GPU): the adds return their old values and a CTA-wide reduction consumes them, so the
+    release is issued only after every thread's adds are performed in L2. An explicit barrier
+    would do the same but stops Triton from software-pipelining the loop; the opaque ``mov``
+    keeps the compiler from folding the dependency away. Unfenced (the sequential interpreter,
+    which has no inline assembly) a plain add and increment suffice.
+    """
+    if FENCED:
+        old = tl.atomic_add(acc_ptrs, dq, sem="relaxed")
+        seen = tl.max(tl.max(old.to(tl.int32, bitcast=True), axis=1), axis=0)
+        one = tl.inline_asm_elementwise("mov.b32 $0, 1;", "=r,r", [seen], dtype=tl.int32,
+                                        is_pure=False, pack=1)
+        tl.atomic_add(ticket_ptr, one, sem="release")
+    else:
+        tl.atomic_add(acc_ptrs, dq, sem="relaxed")
+        tl.atomic_add(ticket_ptr, 1, sem="release")
 
 
 @triton.jit
@@ -172,8 +186,7 @@ def _backward_main_kernel(
                                 if ORDERED_WAITS:
                                     rank = sch.reduction_rank(qt, kv, n_q, n_kv, CAUSAL, SCHEDULE)
                                     _wait_for_turn(ticket, rank, ERR, max_spin)
-                                tl.atomic_add(acc_ptrs, dq, sem="relaxed")
-                                _release_turn(ticket)
+                                _add_in_turn(acc_ptrs, dq, ticket, ORDERED_WAITS)
                             else:
                                 tl.atomic_add(acc_ptrs, dq, sem="relaxed")
                 dk_base = b.to(tl.int64) * stride_dkb + hkv.to(tl.int64) * stride_dkh
