@@ -23,7 +23,6 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
 
@@ -256,8 +255,10 @@ def environment() -> dict[str, str]:
     import triton
 
     cuda = torch.cuda.is_available()
-    return {"device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}), "
-                                                                "Triton interpreter",
+    device = (f"{torch.cuda.get_device_name()}, "
+              f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs" if cuda
+              else f"CPU ({platform.machine()}), Triton interpreter")
+    return {"device": device,
             "torch": torch.__version__, "triton": triton.__version__,
             "cuda": str(torch.version.cuda), "python": platform.python_version(),
             "dash_inductor": dash_inductor.__version__,
@@ -279,7 +280,8 @@ def markdown(env: dict[str, str], records: list[Record], args: argparse.Namespac
              "first run; the upstream gradient is a fixed random tensor. Drawn problems also "
              "check accuracy against SDPA's float64 math (FlashAttention's rule) and batch "
              "invariance.", "",
-             "| check | problem | schedule | repeats | result | seconds |", "|---|---|---|---|---|---|"]
+             "| check | problem | schedule | repeats | result | seconds |",
+             "|---|---|---|---|---|---|"]
     lines += [f"| {r.check} | {r.config} | {r.schedule} | {r.repeats} | "
               f"{'pass' if r.passed else 'FAIL'} | {r.seconds:.1f} |" for r in checks]
     if failed:
@@ -302,7 +304,7 @@ def main() -> None:
     parser.add_argument("--out", default="docs/determinism-report.md")
     parser.add_argument("--json", default=None, help="also write the raw records here")
     parser.add_argument("--repeats", type=int, default=1000)
-    parser.add_argument("--draws", type=int, default=16)
+    parser.add_argument("--draws", type=int, default=12)
     parser.add_argument("--control-repeats", type=int, default=50)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny problems and few repeats (CPU, Triton interpreter)")

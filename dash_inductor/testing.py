@@ -371,6 +371,7 @@ def assert_batch_invariant(fn: Callable[..., Any], batch: Sequence[Any], *,
     one's batch dimension, ``None`` for arguments shared by all sequences (passed whole, their
     gradients not compared). ``kwargs`` are shared. Outputs must carry the batch in dimension 0.
     The sequence alone gets a fresh copy of its slice and its slice of the upstream gradient.
+    ``indices`` limits the check to some sequences (default: all).
     """
     kwargs = dict(kwargs or {})
     dims = _in_dims(batch, in_dims)

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import dash_inductor
@@ -31,6 +31,9 @@ from dash_inductor.testing import (
 from tests._reference import sdpa_math
 
 CI = settings.get_profile(pytest_plugin.CI_PROFILE)
+# Interpreted kernels and compiles are slow: report a failing draw as found, without shrinking it
+# (the draws are tiny already), so a broken kernel costs seconds of CI time, not minutes.
+SLOW = settings(CI, phases=(Phase.explicit, Phase.generate))
 
 LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 REFERENCE_PROBLEMS = attention_problems(dtypes=LOW_PRECISION)
@@ -121,7 +124,7 @@ def test_reference_is_batch_invariant(problem: AttentionProblem):
 
 
 @pytest.mark.parametrize("kind", TINY_KINDS)
-@settings(CI, max_examples=5)
+@settings(SLOW, max_examples=5)
 @given(data=st.data(), schedule=SCHEDULES, seed=st.integers(0, 2**16))
 def test_triton_matches_sdpa_math(kind: str, data: st.DataObject, schedule: str, seed: int):
     problem = data.draw(TINY_KINDS[kind], label="problem")
@@ -130,7 +133,7 @@ def test_triton_matches_sdpa_math(kind: str, data: st.DataObject, schedule: str,
 
 
 @pytest.mark.parametrize("kind", TINY_KINDS)
-@settings(CI, max_examples=3)
+@settings(SLOW, max_examples=3)
 @given(data=st.data(), schedule=SCHEDULES)
 def test_triton_is_reproducible_and_batch_invariant(kind: str, data: st.DataObject,
                                                     schedule: str):
@@ -144,7 +147,7 @@ def test_triton_is_reproducible_and_batch_invariant(kind: str, data: st.DataObje
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@settings(CI, max_examples=1)
+@settings(SLOW, max_examples=1)
 @given(problem=TINY_PROBLEMS)
 def test_fresh_process_gives_the_same_bits(backend: str, problem: AttentionProblem):
     inputs = problem.make_inputs("cpu", seed=4)
@@ -153,7 +156,7 @@ def test_fresh_process_gives_the_same_bits(backend: str, problem: AttentionProbl
         assert_process_reproducible(call, *inputs.args)
 
 
-@settings(CI, max_examples=3)
+@settings(SLOW, max_examples=3)
 @given(problem=attention_problems(batch=(1, 2), q_heads=(1, 4), q_len=(1, 24), kv_len=(1, 24)))
 def test_compiled_gives_the_same_bits_as_eager(problem: AttentionProblem):
     inputs = problem.make_inputs("cpu", seed=5)

@@ -10,7 +10,6 @@ import re
 import pytest
 import torch
 from hypothesis import find, given, settings
-from hypothesis import strategies as st
 
 from dash_inductor import pytest_plugin
 from dash_inductor.testing import (
