@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import dash_inductor
 from dash_inductor import config, pytest_plugin
+from dash_inductor.pytest_plugin import deterministic_algorithms_mode
 from dash_inductor.testing import (
     AttentionInputs,
     AttentionProblem,
@@ -156,14 +157,30 @@ def test_fresh_process_gives_the_same_bits(backend: str, problem: AttentionProbl
         assert_process_reproducible(call, *inputs.args)
 
 
+class _UserAttention(torch.nn.Module):
+    """What a user's model holds: a plain SDPA call, which the Inductor pass rewrites."""
+
+    def __init__(self, kwargs: dict) -> None:
+        super().__init__()
+        self.kwargs = kwargs
+
+    def forward(self, q, k, v, attn_mask=None):
+        return _sdpa(q, k, v, attn_mask=attn_mask, **self.kwargs)
+
+
 @settings(SLOW, max_examples=3)
 @given(problem=attention_problems(batch=(1, 2), q_heads=(1, 4), q_len=(1, 24), kv_len=(1, 24)))
 def test_compiled_gives_the_same_bits_as_eager(problem: AttentionProblem):
+    """torch.compile of dash.attention, and of a plain SDPA call rewritten by the Inductor pass
+    under deterministic algorithms, give the bits of eager dash.attention."""
     inputs = problem.make_inputs("cpu", seed=5)
     kwargs = problem.sdpa_kwargs()
     eager = assert_bitwise_reproducible(dash_inductor.attention, *inputs.args, runs=2, **kwargs)
     torch._dynamo.reset()
-    with torch._inductor.utils.fresh_inductor_cache():
-        compiled = torch.compile(dash_inductor.attention, fullgraph=True, dynamic=False)
-        compiled_bits = assert_bitwise_reproducible(compiled, *inputs.args, runs=2, **kwargs)
-    assert_bitwise_equal(eager, compiled_bits, f"compiled dash.attention != eager on {problem}")
+    with torch._inductor.utils.fresh_inductor_cache(), deterministic_algorithms_mode(True):
+        compiled_op = torch.compile(dash_inductor.attention, fullgraph=True, dynamic=False)
+        op_bits = assert_bitwise_reproducible(compiled_op, *inputs.args, runs=2, **kwargs)
+        compiled_sdpa = torch.compile(_UserAttention(kwargs), fullgraph=True, dynamic=False)
+        sdpa_bits = assert_bitwise_reproducible(compiled_sdpa, *inputs.args, runs=2)
+    assert_bitwise_equal(eager, op_bits, f"compiled dash.attention != eager on {problem}")
+    assert_bitwise_equal(eager, sdpa_bits, f"compiled SDPA (rewritten) != eager on {problem}")
