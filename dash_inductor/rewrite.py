@@ -235,6 +235,12 @@ class ChainedPass(CustomGraphPass):
             chained.append(user_uuid)
         return (self.hook, _SOURCE_HASH, rewrite_enabled(), tuple(chained))
 
+    def __reduce__(self) -> tuple[Callable[[str], ChainedPass], tuple[str, Any]]:
+        """Pickle by name, with the uuid alongside: some torch versions pickle Inductor's config
+        (hooks included) into cache keys or for compile workers, and the pattern tables this
+        object holds (ops with C++ handles) do not pickle."""
+        return _installed_pass, (self.hook, self.uuid())
+
     @property
     def installed(self) -> bool:
         return getattr(inductor_config, self.hook) is self
@@ -378,6 +384,11 @@ def _erase_with_outputs(node: torch.fx.Node) -> None:
 _SOURCE_HASH = get_hash_for_files((__file__, library.__file__))
 PRE_GRAD_PASS = ChainedPass("pre_grad_custom_pass", _pre_grad_patterns.apply)
 JOINT_PASS = ChainedPass("joint_custom_post_pass", _joint_patterns.apply)
+
+
+def _installed_pass(hook: str, uuid: Any = None) -> ChainedPass:
+    """The module's pass for an Inductor hook (what a pickled ``ChainedPass`` loads as)."""
+    return {PRE_GRAD_PASS.hook: PRE_GRAD_PASS, JOINT_PASS.hook: JOINT_PASS}[hook]
 
 
 def install() -> None:

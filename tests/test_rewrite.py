@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import pickle
 
 import pytest
 import torch
@@ -327,13 +328,17 @@ def test_user_pre_grad_pass_chained_and_restored() -> None:
     rewrite.install()
 
 
-def test_uuid_follows_decision_and_chained_uuids() -> None:
+def test_uuid_and_pickle_follow_decision_and_chained_uuids() -> None:
+    """Some torch versions pickle Inductor's config (with the hooks) into cache keys: the passes
+    pickle by name plus uuid, so those keys also change with the decision."""
     torch.use_deterministic_algorithms(True)
-    on = rewrite.PRE_GRAD_PASS.uuid()
+    on = rewrite.PRE_GRAD_PASS.uuid(), pickle.dumps(rewrite.JOINT_PASS)
     torch.use_deterministic_algorithms(False)
-    off = rewrite.PRE_GRAD_PASS.uuid()
+    off = rewrite.PRE_GRAD_PASS.uuid(), pickle.dumps(rewrite.JOINT_PASS)
     config.rewrite = "always"
-    assert on != off and rewrite.PRE_GRAD_PASS.uuid() == on
+    assert on[0] != off[0] and on[1] != off[1]
+    assert (rewrite.PRE_GRAD_PASS.uuid(), pickle.dumps(rewrite.JOINT_PASS)) == on
+    assert pickle.loads(on[1]) is rewrite.JOINT_PASS
     rewrite.uninstall()
     with torch._inductor.config.patch(pre_grad_custom_pass=lambda graph: None):
         rewrite.install()
