@@ -72,8 +72,22 @@ def _load_row_stats(LSE, DELTA, row_base, rows, L, CHECK_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _opaque(value, x):
+    """``value`` as an int32 the compiler cannot see through, computed after ``x``.
+
+    Triton's loop scheduler may reorder side-effecting operations that share no data; routing a
+    value through this opaque move makes the ticket protocol's order a data dependency.
+    """
+    return tl.inline_asm_elementwise(f"mov.b32 $0, {value};", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _wait_for_turn(ticket_ptr, rank, ERR, max_spin):
-    """Spin (bounded) until this Q sub-tile's ticket equals ``rank``; on timeout raise the flag."""
+    """Spin (bounded) until this Q sub-tile's ticket equals ``rank``; on timeout raise the flag.
+
+    Returns the last value seen, for the caller to make its adds depend on.
+    """
     seen = tl.atomic_add(ticket_ptr, 0, sem="acquire")
     if seen != rank:
         limit = tl.where(tl.load(ERR, volatile=True) != 0, 0, max_spin)
@@ -83,27 +97,31 @@ def _wait_for_turn(ticket_ptr, rank, ERR, max_spin):
             spins += 1
         if seen != rank:
             tl.atomic_max(ERR, 1)
+    return seen
 
 
 @triton.jit
-def _add_in_turn(acc_ptrs, dq, ticket_ptr, FENCED: tl.constexpr):
-    """Add the dQ tile, then pass the Q sub-tile to the next rank.
+def _add_in_turn(acc_ptrs, dq, ticket_ptr, rank, ERR, max_spin, WAITS: tl.constexpr):
+    """Wait for this contribution's turn, add the dQ tile, pass the Q sub-tile to the next rank.
 
-    FENCED (GPU): the adds return their old values and a CTA-wide reduction consumes them, so the
-    release is issued only after every thread's adds are performed in L2. An explicit barrier
-    would do the same but stops Triton from software-pipelining the loop; the opaque ``mov``
-    keeps the compiler from folding the dependency away. Unfenced (the sequential interpreter,
-    which has no inline assembly) a plain add and increment suffice.
+    WAITS (GPU): the adds' addresses depend on the value the wait saw, and the adds return their
+    old values, which a CTA-wide reduction consumes before the release: so the release is issued
+    only after every thread's adds are performed in L2. (An explicit barrier would do the same
+    but stops Triton from software-pipelining the loop.) Returns an opaque 0 issued after the
+    release, which the caller adds to its next ticket address. Without WAITS (the sequential
+    interpreter, which has no inline assembly) a plain add and increment suffice.
     """
-    if FENCED:
-        old = tl.atomic_add(acc_ptrs, dq, sem="relaxed")
-        seen = tl.max(tl.max(old.to(tl.int32, bitcast=True), axis=1), axis=0)
-        one = tl.inline_asm_elementwise("mov.b32 $0, 1;", "=r,r", [seen], dtype=tl.int32,
-                                        is_pure=False, pack=1)
-        tl.atomic_add(ticket_ptr, one, sem="release")
+    if WAITS:
+        seen = _wait_for_turn(ticket_ptr, rank, ERR, max_spin)
+        old = tl.atomic_add(acc_ptrs + _opaque(0, seen) * 16, dq, sem="relaxed")  # keeps alignment
+        done = tl.max(tl.max(old.to(tl.int32, bitcast=True), axis=1), axis=0)
+        tl.atomic_add(ticket_ptr, _opaque(1, done), sem="release")
+        token = _opaque(0, done)
     else:
         tl.atomic_add(acc_ptrs, dq, sem="relaxed")
         tl.atomic_add(ticket_ptr, 1, sem="release")
+        token = rank * 0
+    return token
 
 
 @triton.jit
@@ -131,6 +149,7 @@ def _backward_main_kernel(
     offs_e = tl.arange(0, HEAD_E)
     offs_ev = tl.arange(0, HEAD_EV)
     l_pad = n_q * BLOCK_N
+    token = tl.program_id(0) * 0  # orders each ticket wait after the previous release
     for work in range(tl.program_id(0), total_items, tl.num_programs(0)):
         head = work // items_per_head
         item = work % items_per_head
@@ -182,11 +201,10 @@ def _backward_main_kernel(
                             acc_ptrs = (DQACC + (bh.to(tl.int64) * l_pad + rows[:, None]) * HEAD_E
                                         + offs_e[None, :])
                             if ORDERED:
-                                ticket = TICKETS + (bh * n_q + qt) * NSUB + sub
-                                if ORDERED_WAITS:
-                                    rank = sch.reduction_rank(qt, kv, n_q, n_kv, CAUSAL, SCHEDULE)
-                                    _wait_for_turn(ticket, rank, ERR, max_spin)
-                                _add_in_turn(acc_ptrs, dq, ticket, ORDERED_WAITS)
+                                rank = sch.reduction_rank(qt, kv, n_q, n_kv, CAUSAL, SCHEDULE)
+                                token = _add_in_turn(acc_ptrs, dq,
+                                                     TICKETS + (bh * n_q + qt) * NSUB + sub + token,
+                                                     rank, ERR, max_spin, ORDERED_WAITS)
                             else:
                                 tl.atomic_add(acc_ptrs, dq, sem="relaxed")
                 dk_base = b.to(tl.int64) * stride_dkb + hkv.to(tl.int64) * stride_dkh
