@@ -156,6 +156,7 @@ _FLEX_COMPILED: list[Callable[..., Tensor]] = []
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, problem: Problem) -> Tensor:
+    from torch._functorch import config as functorch_config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if not _FLEX_COMPILED:
@@ -163,7 +164,10 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, problem: Problem) -> Tensor:
     block_mask = None
     if problem.causal:
         block_mask = _causal_block_mask(problem.seq, q.device.type, create_block_mask)
-    return _FLEX_COMPILED[0](q, k, v, block_mask=block_mask, enable_gqa=problem.group > 1)
+    # Donated buffers (a memory saving of the compiled backward) forbid backward(retain_graph=True),
+    # which the backward timing needs; they do not change the kernels.
+    with functorch_config.patch(donated_buffer=False):
+        return _FLEX_COMPILED[0](q, k, v, block_mask=block_mask, enable_gqa=problem.group > 1)
 
 
 _BLOCK_MASKS: dict[tuple[int, str], object] = {}

@@ -150,7 +150,8 @@ def draw_plots(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
                    title=f"d{head_dim} {'causal' if causal else 'full'}")
             ax.set_xticks(m.SEQS, [f"{s // 1024}k" if s >= 1024 else str(s) for s in m.SEQS])
             ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=7)
+        if axes[0].lines:
+            axes[0].legend(fontsize=7)
         fig.tight_layout()
         written.append(directory / f"{name}_tflops.png")
         fig.savefig(written[-1], dpi=120)
@@ -176,7 +177,8 @@ def _plot_price(dense, configs, directory: Path, plt) -> Path:
                title=f"price of determinism, d{head_dim} {'causal' if causal else 'full'}")
         ax.set_xticks(m.SEQS, [f"{s // 1024}k" if s >= 1024 else str(s) for s in m.SEQS])
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    if axes[0].lines:
+        axes[0].legend(fontsize=7)
     fig.tight_layout()
     path = directory / "price_of_determinism.png"
     fig.savefig(path, dpi=120)
