@@ -417,14 +417,21 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[SiteRepor
     def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         return compile_fx(gm, example_inputs)
 
+    with recording() as records, fresh_inductor_cache(), _installed_for_reports():
+        torch.compile(fn, backend=inductor)(*args, **kwargs)
+    return records
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[SiteReport]]:
+    """Collect the report of every attention site compiled inside the block. While a block is
+    open the installed passes run even with the rewrite off, to report why they leave sites."""
     records: list[SiteReport] = []
     _recorders.append(records)
     try:
-        with fresh_inductor_cache(), _installed_for_reports():
-            torch.compile(fn, backend=inductor)(*args, **kwargs)
+        yield records
     finally:
         _recorders.remove(records)
-    return records
 
 
 @contextlib.contextmanager
