@@ -156,7 +156,6 @@ _FLEX_COMPILED: list[Callable[..., Tensor]] = []
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, problem: Problem) -> Tensor:
-    from torch._functorch import config as functorch_config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if not _FLEX_COMPILED:
@@ -164,10 +163,7 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, problem: Problem) -> Tensor:
     block_mask = None
     if problem.causal:
         block_mask = _causal_block_mask(problem.seq, q.device.type, create_block_mask)
-    # Donated buffers (a memory saving of the compiled backward) forbid backward(retain_graph=True),
-    # which the backward timing needs; they do not change the kernels.
-    with functorch_config.patch(donated_buffer=False):
-        return _FLEX_COMPILED[0](q, k, v, block_mask=block_mask, enable_gqa=problem.group > 1)
+    return _FLEX_COMPILED[0](q, k, v, block_mask=block_mask, enable_gqa=problem.group > 1)
 
 
 _BLOCK_MASKS: dict[tuple[int, str], object] = {}
@@ -211,6 +207,13 @@ def prepare(method: Method, problem: Problem, inputs: tuple[Tensor, Tensor, Tens
         stack.enter_context(determinism(method.deterministic))
         if method.is_dash:
             stack.enter_context(dash_inductor.config.patch(schedule=method.schedule))
+        if method is FLEX:
+            # Donated buffers (a memory saving of compiled backwards) forbid
+            # backward(retain_graph=True), which the backward timing needs; they do not change the
+            # kernels. AOTAutograd reads the flag when it compiles and again at each backward.
+            from torch._functorch import config as functorch_config
+
+            stack.enter_context(functorch_config.patch(donated_buffer=False))
         return stack
 
     candidates: list[tuple[str, Callable[..., Tensor]]]
