@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 import dash_inductor  # noqa: E402
 import methods as m  # noqa: E402
-from dash_inductor.demo import DemoConfig, ProgressBar, enable_rewrite, make_model  # noqa: E402
+from dash_inductor.demo import DemoConfig, ProgressBar, make_model  # noqa: E402
 from dash_inductor.demo import describe_sites, quiet_cache_key_warnings, recorded_sites  # noqa: E402,E501
 
 #: name -> (deterministic algorithms, dash_inductor.config.rewrite)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from run import environment
 
-    enable_rewrite()
+    dash_inductor.enable()
     env = environment()
     seqs = [int(x) for x in args.seqs.split(",")]
     print(f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}: {args.layers} layers, "

@@ -225,16 +225,6 @@ def _bits(t: Tensor) -> Tensor:
     return t.contiguous().view(view_dtype)
 
 
-def enable_rewrite() -> None:
-    """Install the Inductor pass (the package installs it at import; this makes sure)."""
-    enable = getattr(dash_inductor, "enable", None)
-    if enable is None:
-        from dash_inductor import rewrite
-
-        enable = rewrite.install
-    enable()
-
-
 @contextlib.contextmanager
 def quiet_cache_key_warnings() -> Iterator[None]:
     """Silence Inductor's "Failed to pickle cache key" warnings for the block.
@@ -262,13 +252,8 @@ def recorded_sites() -> Iterator[list[Any]]:
 
     from dash_inductor import rewrite
 
-    records: list[Any] = []
-    rewrite._recorders.append(records)
-    try:
-        with fresh_inductor_cache():
-            yield records
-    finally:
-        rewrite._recorders.remove(records)
+    with rewrite.recording() as records, fresh_inductor_cache():
+        yield records
 
 
 def describe_sites(reports: list[Any]) -> tuple[int, list[str]]:
@@ -337,7 +322,7 @@ class DemoResult:
 def demo(cfg: DemoConfig, out: Callable[[str], None] = print,
          stream: TextIO | None = None) -> DemoResult:
     """Run the whole demo, printing through ``out`` (lines) and ``stream`` (progress bars)."""
-    enable_rewrite()
+    dash_inductor.enable()  # installed at import; again in case disable() was called
     device = torch.device(cfg.device)
     out(f"dash_inductor {dash_inductor.__version__}, torch {torch.__version__}, device "
         f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
