@@ -121,8 +121,10 @@ def auto_schedule(head_dim: int, dtype: torch.dtype, causal: bool, n_kv: int,
                   arch: int | str = 9) -> str:
     """The deterministic schedule ``"auto"`` resolves to (a static rule from measurements).
 
-    The rule and the timings behind it are in docs/kernels-notes.md.
+    On the H200 (docs/kernels-notes.md) the separate dQ pass (``recompute``) beats or ties every
+    ordered schedule except causal attention at head dim 128, where ``shift`` wins; ``recompute``
+    also needs no co-resident programs, so it is the default elsewhere and off Hopper.
     """
-    if causal:
-        return "descending"
-    return "shift" if n_kv >= 4 else "ascending"
+    if arch == 9 and causal and head_dim > 64 and n_kv >= 4:
+        return "shift"
+    return "recompute"
