@@ -4,8 +4,9 @@ The main kernel is persistent: program p takes work items p, p+P, ... (ops/sched
 out). Each slot of an item owns a KV tile, keeps dK and dV in fp32 registers and, for every query
 head of its GQA group, visits Q tiles in the schedule's order. Its dQ partial goes into an fp32
 accumulator in the order fixed by the schedule's reduction rank, enforced by an int32 ticket per
-(b, hq, Q sub-tile): wait until the ticket equals my rank (bounded), add the tile, barrier, release
-the next rank (DESIGN.md decision 5; DASH, Qiang et al. 2026, for the orders). The schedule is a
+(b, hq, Q sub-tile): wait until the ticket equals my rank (bounded), add the tile, make sure every
+thread's adds are done, release the next rank (DESIGN.md decision 5; DASH, Qiang et al. 2026, for
+the orders; see _add_in_turn for how that order survives Triton's loop scheduler). The schedule is a
 constexpr, so every schedule is this one kernel body.
 """
 
