@@ -1,7 +1,7 @@
 """pytest plugin of dash_inductor: hypothesis profiles and determinism fixtures.
 
 pytest loads this module at start-up in every project where dash_inductor is installed, so it
-stays light (torch is imported inside the fixtures) and only *registers* hypothesis profiles:
+imports no torch itself (the fixtures do, when used) and only *registers* hypothesis profiles:
 selecting one is the user's choice (``pytest --hypothesis-profile=dash-ci``), so nobody's
 settings change silently.
 
