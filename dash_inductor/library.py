@@ -14,6 +14,7 @@ so that AOTAutograd and Inductor see three opaque, deterministic ops. Kernels by
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -39,10 +40,12 @@ def _ops():
 
 def _schedule() -> str:
     schedule = str(config.get("schedule"))
-    if schedule == "atomic":
-        # Raises under torch.use_deterministic_algorithms(True), warns under warn_only=True.
-        torch._C._alert_not_deterministic(
-            "dash.attention backward with dash_inductor.config.schedule='atomic'")
+    if schedule == "atomic" and torch.are_deterministic_algorithms_enabled():
+        message = ("dash.attention backward with dash_inductor.config.schedule='atomic' adds dQ "
+                   "with unordered atomics and is not deterministic; use 'auto' or another schedule")
+        if not torch.is_deterministic_algorithms_warn_only_enabled():
+            raise RuntimeError(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
     return schedule
 
 

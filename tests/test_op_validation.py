@@ -72,3 +72,19 @@ def test_config_rejects_unknown_values():
         with dash_inductor.config.patch(shedule="shift"):
             pass
     assert dash_inductor.config.schedule == "auto"
+
+
+def test_atomic_schedule_refused_under_deterministic_algorithms(restore_deterministic_algorithms):
+    """The non-deterministic schedule raises in strict mode and warns in warn-only mode, like
+    PyTorch's own non-deterministic ops (exercised through the interpreted Triton kernels)."""
+    q, k, v = (t.requires_grad_() for t in _qkv(q=(1, 1, 8, 16), k=(1, 1, 8, 16)))
+    with dash_inductor.config.patch(cpu_backend="triton", schedule="atomic"):
+        torch.use_deterministic_algorithms(True)
+        out = dash_inductor.attention(q, k, v)
+        with pytest.raises(RuntimeError, match=r"schedule='atomic' .* not deterministic"):
+            out.sum().backward()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        out = dash_inductor.attention(q, k, v)
+        with pytest.warns(UserWarning, match=r"schedule='atomic'"):
+            out.sum().backward()
+        assert q.grad is not None and torch.isfinite(q.grad).all()

@@ -1,4 +1,5 @@
-"""Suite-wide set-up: the Triton interpreter on machines without CUDA, and the ``gpu`` marker."""
+"""Suite-wide set-up: the Triton interpreter on machines without CUDA, the ``gpu`` marker, and the
+project's own pytest plugin (hypothesis profiles, determinism fixtures)."""
 
 import os
 
@@ -7,8 +8,11 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    # Must precede the first import of triton: kernels then run in the interpreter on the CPU.
+    # Must precede the first import of triton (dash_inductor imports it through Inductor): Triton
+    # decides at import whether its own library functions run in the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest_plugins = ["dash_inductor.pytest_plugin"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
