@@ -1,7 +1,8 @@
 """pytest plugin of dash_inductor: hypothesis profiles and determinism fixtures.
 
-pytest loads this module at start-up in every project where dash_inductor is installed, so it
-imports no torch itself (the fixtures do, when used) and only *registers* hypothesis profiles:
+Load it from a top-level ``conftest.py`` with ``pytest_plugins = ["dash_inductor.pytest_plugin"]``
+(after setting ``TRITON_INTERPRET`` there if needed: importing dash_inductor imports Triton).
+It imports no torch itself (the fixtures do, when used) and only *registers* hypothesis profiles:
 selecting one is the user's choice (``pytest --hypothesis-profile=dash-ci``), so nobody's
 settings change silently.
 
