@@ -121,10 +121,13 @@ def auto_schedule(head_dim: int, dtype: torch.dtype, causal: bool, n_kv: int,
                   arch: int | str = 9) -> str:
     """The deterministic schedule ``"auto"`` resolves to (a static rule from measurements).
 
-    On the H200 (docs/kernels-notes.md) the separate dQ pass (``recompute``) beats or ties every
-    ordered schedule except causal attention at head dim 128, where ``shift`` wins; ``recompute``
-    also needs no co-resident programs, so it is the default elsewhere and off Hopper.
+    On the H200 (docs/benchmarks.md, bf16, d128) the separate dQ pass (``recompute``) was the
+    fastest deterministic schedule at every measured point except causal N = 16k (128 KV tiles of
+    128 rows), where ``shift`` won (234 vs 211 TFLOP/s); at causal N = 1k and 4k ``recompute`` led
+    (142 vs 111, 215 vs 180). ``recompute`` also needs no co-resident programs, so it is the
+    default everywhere else and off Hopper. N = 8k was not measured: the threshold sits at the
+    measured point.
     """
-    if arch == 9 and causal and head_dim > 64 and n_kv >= 4:
+    if arch == 9 and causal and head_dim > 64 and n_kv >= 128:
         return "shift"
     return "recompute"
