@@ -146,10 +146,7 @@ def draw_plots(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
                         else titles[method]
                     ax.plot(*zip(*points), marker="o", label=label,
                             linestyle="-" if method.startswith("dash_") else "--")
-            ax.set(xscale="log", xlabel="sequence length N", ylabel=f"{name} TFLOP/s",
-                   title=f"d{head_dim} {'causal' if causal else 'full'}")
-            ax.set_xticks(m.SEQS, [f"{s // 1024}k" if s >= 1024 else str(s) for s in m.SEQS])
-            ax.grid(alpha=0.3)
+            _seq_axis(ax, f"{name} TFLOP/s", f"d{head_dim} {'causal' if causal else 'full'}")
         if axes[0].lines:
             axes[0].legend(fontsize=7)
         fig.tight_layout()
@@ -158,6 +155,13 @@ def draw_plots(rows: list[dict[str, Any]], directory: Path) -> list[Path]:
         plt.close(fig)
     written.append(_plot_price(dense, configs, directory, plt))
     return written
+
+
+def _seq_axis(ax, ylabel: str, title: str) -> None:
+    """A log sequence-length x axis with the grid's lengths as ticks."""
+    ax.set(xscale="log", xlabel="sequence length N", ylabel=ylabel, title=title)
+    ax.set_xticks(m.SEQS, [f"{s // 1024}k" if s >= 1024 else str(s) for s in m.SEQS])
+    ax.grid(alpha=0.3)
 
 
 def _plot_price(dense, configs, directory: Path, plt) -> Path:
@@ -173,10 +177,8 @@ def _plot_price(dense, configs, directory: Path, plt) -> Path:
             if points:
                 ax.plot(*zip(*points), marker="o", label=schedule)
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set(xscale="log", xlabel="sequence length N", ylabel="backward time / atomic",
-               title=f"price of determinism, d{head_dim} {'causal' if causal else 'full'}")
-        ax.set_xticks(m.SEQS, [f"{s // 1024}k" if s >= 1024 else str(s) for s in m.SEQS])
-        ax.grid(alpha=0.3)
+        _seq_axis(ax, "backward time / atomic",
+                  f"price of determinism, d{head_dim} {'causal' if causal else 'full'}")
     if axes[0].lines:
         axes[0].legend(fontsize=7)
     fig.tight_layout()

@@ -345,7 +345,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
     ordered = schedule not in ("atomic", "recompute")
     waits = ordered and not interpreting()
-    dq_acc = tickets = None
+    dq_acc = None
     if schedule != "recompute":
         dq_acc = torch.zeros((batch * hq, n_q * cfg.block_n, head_e), device=device, dtype=torch.float32)
     tickets = torch.zeros((batch * hq * n_q * (cfg.block_n // cfg.block_m),), device=device,
