@@ -1,11 +1,12 @@
 """Correctness and speed of the kernels on one GPU, in one process (run on an H100/H200).
 
-    python bench/gpu_check.py --out DIR [--check] [--time] [--sweep] [--dims 64,128] [--seqs 1024,4096]
+    python bench/gpu_check.py --out DIR [--check] [--time] [--sweep] [--tune] [--dims 64,128] [--seqs 1024,4096]
 
 --check: FlashAttention-rule accuracy of forward and every backward schedule, and 5-repeat bitwise
 equality of the deterministic ones. --time: TFLOP/s of forward and of each backward schedule on the
 DESIGN.md grid (bf16, H*D = 2048, B*N = 16384), with SDPA (determinism off) as anchor. --sweep:
-backward and forward tile configs on d64/d128, N = 4096. FLOPs as FlashAttention counts them:
+backward and forward tile configs on d64/d128, N = 4096. --tune: `recompute` under dQ-kernel and
+main-kernel config candidates, and the ordered schedules, on --dims x --seqs. FLOPs as FlashAttention counts them:
 forward 4*B*H*N^2*D (halved when causal), backward 2.5x forward. Timings: triton's do_bench median.
 """
 
@@ -150,6 +151,44 @@ def sweep(report, dims, schedules):
                     print(row, flush=True)
 
 
+DQ_CANDIDATES = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2),
+                 (64, 32, 4, 4)]
+MAIN_CANDIDATES = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)]
+
+
+def tune(report, dims, seqs):
+    """`recompute` under dQ-kernel and main-kernel configs, and the ordered schedules, by problem."""
+    from dash_inductor.ops.configs import backward_config
+    for d in dims:
+        for n in seqs:
+            b, h = 16384 // n, 2048 // d
+            for causal in (False, True):
+                q, k, v, do = inputs(b, h, n, d)
+                out, lse = forward(q, k, v, causal)
+                base = backward_config(d, q.dtype, causal, 9)
+                row = dict(kind="tune", d=d, n=n, causal=causal, table=base.__dict__)
+                configs = [(f"dq={'x'.join(map(str, c))}",
+                            BackwardConfig(base.block_m, base.block_n, base.num_warps, base.num_stages, *c))
+                           for c in DQ_CANDIDATES]
+                configs += [(f"main={'x'.join(map(str, c))}",
+                             BackwardConfig(*c, base.dq_block_m, base.dq_block_n, base.dq_num_warps,
+                                            base.dq_num_stages)) for c in MAIN_CANDIDATES]
+                for name, cfg in configs:
+                    try:
+                        ms = do_bench(lambda: backward(q, k, v, do, out, lse, causal, "recompute", cfg),
+                                      return_mode="median")
+                        row[f"recompute {name}"] = round(tflops(ms, b, h, n, d, causal, True), 1)
+                    except Exception as exc:  # out of resources: record and go on
+                        row[f"recompute {name}"] = str(exc)[:60]
+                for schedule in ("atomic", "shift", "descending", "ascending"):
+                    used = backward(q, k, v, do, out, lse, causal, schedule)[0]
+                    ms = do_bench(lambda: backward(q, k, v, do, out, lse, causal, schedule),
+                                  return_mode="median")
+                    row[used] = round(tflops(ms, b, h, n, d, causal, True), 1)
+                report.append(row)
+                print(row, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -157,6 +196,7 @@ def main() -> None:
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--gqa", action="store_true")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--tune", action="store_true")
     parser.add_argument("--dims", default="64,128")
     parser.add_argument("--seqs", default="1024,4096,16384")
     parser.add_argument("--sweep-schedules", default="atomic,ascending")
@@ -171,6 +211,8 @@ def main() -> None:
             check(report)
         if args.time:
             time_grid(report, dims, [int(x) for x in args.seqs.split(",")], gqa=args.gqa)
+        if args.tune:
+            tune(report, dims, [int(x) for x in args.seqs.split(",")])
         if args.sweep:
             sweep(report, dims, args.sweep_schedules.split(","))
     finally:

@@ -4,10 +4,9 @@ The main kernel is persistent: program p takes work items p, p+P, ... (ops/sched
 out). Each slot of an item owns a KV tile, keeps dK and dV in fp32 registers and, for every query
 head of its GQA group, visits Q tiles in the schedule's order. Its dQ partial goes into an fp32
 accumulator in the order fixed by the schedule's reduction rank, enforced by an int32 ticket per
-(b, hq, Q sub-tile): wait until the ticket equals my rank (bounded), add the tile, make sure every
-thread's adds are done, release the next rank (DESIGN.md decision 5; DASH, Qiang et al. 2026, for
-the orders; see _add_in_turn for how that order survives Triton's loop scheduler). The schedule is a
-constexpr, so every schedule is this one kernel body.
+(b, hq, Q sub-tile) (ops/tickets.py; DESIGN.md decision 5; DASH, Qiang et al. 2026, for the
+orders). The schedule is a constexpr, so every schedule is this one kernel body. ``recompute``
+skips dQ there and runs the dQ kernel instead: one program per Q tile, KV tiles in ascending order.
 """
 
 from __future__ import annotations
@@ -20,7 +19,8 @@ from . import schedules as sch
 from .configs import arch_key, auto_schedule, backward_config, head_dim_bucket
 from .launch import (coresident_programs, cooperative_launch_supported, dot_precision, interpreting,
                      mask_kind, raise_if_spin_exceeded, warn_once)
-from .tiles import load_tile, mm
+from .tickets import add_in_turn, release_last
+from .tiles import load_tile, masked_scores, mm
 
 LOG2E = 1.4426950408889634
 
@@ -73,59 +73,6 @@ def _load_row_stats(LSE, DELTA, row_base, rows, L, CHECK_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _opaque(value, x):
-    """``value`` as an int32 the compiler cannot see through, computed after ``x``.
-
-    Triton's loop scheduler may reorder side-effecting operations that share no data; routing a
-    value through this opaque move makes the ticket protocol's order a data dependency.
-    """
-    return tl.inline_asm_elementwise(f"mov.b32 $0, {value};", "=r,r", [x], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _wait_for_turn(ticket_ptr, rank, ERR, max_spin):
-    """Spin (bounded) until this Q sub-tile's ticket equals ``rank``; on timeout raise the flag.
-
-    Returns the last value seen, for the caller to make its adds depend on.
-    """
-    seen = tl.atomic_add(ticket_ptr, 0, sem="acquire")
-    if seen != rank:
-        limit = tl.where(tl.load(ERR, volatile=True) != 0, 0, max_spin)
-        spins = 0
-        while (seen != rank) & (spins < limit):
-            seen = tl.atomic_add(ticket_ptr, 0, sem="acquire")
-            spins += 1
-        if seen != rank:
-            tl.atomic_max(ERR, 1)
-    return seen
-
-
-@triton.jit
-def _add_in_turn(acc_ptrs, dq, ticket_ptr, rank, ERR, max_spin, WAITS: tl.constexpr):
-    """Wait for this contribution's turn, add the dQ tile, pass the Q sub-tile to the next rank.
-
-    WAITS (GPU): the adds' addresses depend on the value the wait saw, and the adds return their
-    old values, which a CTA-wide reduction consumes before the release: so the release is issued
-    only after every thread's adds are performed in L2. (An explicit barrier would do the same
-    but stops Triton from software-pipelining the loop.) Returns an opaque 0 issued after the
-    release, which the caller adds to its next ticket address. Without WAITS (the sequential
-    interpreter, which has no inline assembly) a plain add and increment suffice.
-    """
-    if WAITS:
-        seen = _wait_for_turn(ticket_ptr, rank, ERR, max_spin)
-        old = tl.atomic_add(acc_ptrs + _opaque(0, seen) * 16, dq, sem="relaxed")  # keeps alignment
-        done = tl.max(tl.max(old.to(tl.int32, bitcast=True), axis=1), axis=0)
-        tl.atomic_add(ticket_ptr, _opaque(1, done), sem="release")
-        token = _opaque(0, done)
-    else:
-        tl.atomic_add(acc_ptrs, dq, sem="relaxed")
-        tl.atomic_add(ticket_ptr, 1, sem="release")
-        token = rank * 0
-    return token
-
-
-@triton.jit
 def _backward_main_kernel(
         Q, K, V, DO, LSE, DELTA, MASK, DK, DV, DQACC, TICKETS, ERR,
         stride_qb, stride_qh, stride_qm, stride_qe,
@@ -150,7 +97,8 @@ def _backward_main_kernel(
     offs_e = tl.arange(0, HEAD_E)
     offs_ev = tl.arange(0, HEAD_EV)
     l_pad = n_q * BLOCK_N
-    token = tl.program_id(0) * 0  # orders each ticket wait after the previous release
+    held = TICKETS  # the ticket whose release is deferred to the next step (amount 0: none yet)
+    held_amount = tl.program_id(0) * 0
     for work in range(tl.program_id(0), total_items, tl.num_programs(0)):
         head = work // items_per_head
         item = work % items_per_head
@@ -203,9 +151,10 @@ def _backward_main_kernel(
                                         + offs_e[None, :])
                             if ORDERED:
                                 rank = sch.reduction_rank(qt, kv, n_q, n_kv, CAUSAL, SCHEDULE)
-                                token = _add_in_turn(acc_ptrs, dq,
-                                                     TICKETS + (bh * n_q + qt) * NSUB + sub + token,
-                                                     rank, ERR, max_spin, ORDERED_WAITS)
+                                ticket = TICKETS + (bh * n_q + qt) * NSUB + sub
+                                held, held_amount = add_in_turn(acc_ptrs, dq, ticket, rank, held,
+                                                                held_amount, ERR, max_spin,
+                                                                ORDERED_WAITS)
                             else:
                                 tl.atomic_add(acc_ptrs, dq, sem="relaxed")
                 dk_base = b.to(tl.int64) * stride_dkb + hkv.to(tl.int64) * stride_dkh
@@ -215,30 +164,29 @@ def _backward_main_kernel(
                          mask=(cols[:, None] < S) & (offs_e[None, :] < E))
                 tl.store(DV + dv_base + cols[:, None] * stride_dvn + offs_ev[None, :] * stride_dve,
                          dv.to(DV.dtype.element_ty), mask=(cols[:, None] < S) & (offs_ev[None, :] < EV))
+    if ORDERED:
+        release_last(held, held_amount, ORDERED_WAITS)
 
 
 @triton.jit
-def _dq_tile_step(dq, q, do, lse2, delta, K, V, k_base, v_base, m_base, MASK, rows, start_n, L, S,
-                  qk_scale, stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
+def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, cols, L, S, qk_scale,
+                  stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
                   E: tl.constexpr, EV: tl.constexpr, HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
-                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, BOUNDS: tl.constexpr,
-                  MASK_KIND: tl.constexpr, PRECISION: tl.constexpr):
-    """Add one KV tile's dS K to a dQ tile (recompute schedule), keys along dim 0 of the scores."""
-    cols = start_n + tl.arange(0, BLOCK_N)
-    offs_e = tl.arange(0, HEAD_E)
-    offs_ev = tl.arange(0, HEAD_EV)
-    k = load_tile(K + k_base, cols, offs_e, stride_kn, stride_ke, S, E, BOUNDS, E != HEAD_E)
-    v = load_tile(V + v_base, cols, offs_ev, stride_vn, stride_ve, S, EV, BOUNDS, EV != HEAD_EV)
-    s_t = mm(k, tl.trans(q), PRECISION) * qk_scale
-    s_t = _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn, MASK_KIND)
-    if CAUSAL:
-        s_t = tl.where(cols[:, None] <= rows[None, :], s_t, float("-inf"))
-    p_t = tl.math.exp2(s_t - lse2[None, :])
-    if BOUNDS:
-        p_t = tl.where(cols[:, None] < S, p_t, 0.0)
-    dp_t = mm(v, tl.trans(do), PRECISION)
-    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-    return dq + mm(tl.trans(ds_t), k, PRECISION)
+                  CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Add one KV tile's dS K to a dQ tile (recompute schedule).
+
+    Queries stay along dim 0 throughout, so dS feeds the last dot straight from registers; the
+    transposed orientation of the main kernel would cost a shared-memory round trip per tile.
+    """
+    k = load_tile(K, cols, tl.arange(0, HEAD_E), stride_kn, stride_ke, S, E, BOUNDS, E != HEAD_E)
+    v = load_tile(V, cols, tl.arange(0, HEAD_EV), stride_vn, stride_ve, S, EV, BOUNDS, EV != HEAD_EV)
+    s = masked_scores(q, k, rows, cols, L, S, qk_scale, MASK, stride_mm, stride_mn,
+                      MASK_KIND, CAUSAL, BOUNDS, PRECISION)
+    p = tl.math.exp2(s - lse2[:, None])
+    dp = mm(do, tl.trans(v), PRECISION)
+    ds = (p * (dp - delta[:, None])).to(k.dtype)
+    return dq + mm(ds, k, PRECISION)
 
 
 @triton.jit
@@ -259,7 +207,10 @@ def _backward_dq_kernel(
     b = pid_bh // HQ
     hq = pid_bh % HQ
     hkv = hq // GROUP
-    start_m = tl.program_id(0) * BLOCK_M
+    if CAUSAL:  # the last Q tiles see the most keys: launch them first, for a shorter tail
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    else:
+        start_m = tl.program_id(0) * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_e = tl.arange(0, HEAD_E)
     offs_ev = tl.arange(0, HEAD_EV)
@@ -268,26 +219,25 @@ def _backward_dq_kernel(
     do = load_tile(DO + b.to(tl.int64) * stride_db + hq.to(tl.int64) * stride_dh, rows, offs_ev,
                    stride_dm, stride_de, L, EV, not EVEN_M, EV != HEAD_EV)
     lse2, delta = _load_row_stats(LSE, DELTA, pid_bh.to(tl.int64) * L, rows, L, not EVEN_M)
-    k_base = b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
-    v_base = b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
-    m_base = b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
+    k_ptr = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_ptr = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    mask_ptr = MASK + b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
     if CAUSAL:
         end = tl.minimum(start_m + BLOCK_M, S)
         full_end = tl.minimum((start_m + 1) // BLOCK_N, S // BLOCK_N) * BLOCK_N
     else:
         end = S
         full_end = (S // BLOCK_N) * BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_E], tl.float32)
     for start_n in range(0, full_end, BLOCK_N):
-        dq = _dq_tile_step(dq, q, do, lse2, delta, K, V, k_base, v_base, m_base, MASK, rows, start_n,
+        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
                            L, S, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve, stride_mm,
-                           stride_mn, E, EV, HEAD_E, HEAD_EV, BLOCK_N, False, False, MASK_KIND,
-                           PRECISION)
+                           stride_mn, E, EV, HEAD_E, HEAD_EV, False, False, MASK_KIND, PRECISION)
     for start_n in range(full_end, end, BLOCK_N):
-        dq = _dq_tile_step(dq, q, do, lse2, delta, K, V, k_base, v_base, m_base, MASK, rows, start_n,
+        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
                            L, S, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve, stride_mm,
-                           stride_mn, E, EV, HEAD_E, HEAD_EV, BLOCK_N, CAUSAL, True, MASK_KIND,
-                           PRECISION)
+                           stride_mn, E, EV, HEAD_E, HEAD_EV, CAUSAL, True, MASK_KIND, PRECISION)
     tl.store(DQ + b.to(tl.int64) * stride_dqb + hq.to(tl.int64) * stride_dqh
              + rows[:, None] * stride_dqm + offs_e[None, :] * stride_dqe,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(rows[:, None] < L) & (offs_e[None, :] < E))

@@ -61,9 +61,10 @@ def _fill_hopper() -> None:
     for causal in (False, True):
         for bucket in (16, 32, 64):
             _FORWARD[(9, bucket, False, causal)] = ForwardConfig(128, 64, 8, 3)
-            _BACKWARD[(9, bucket, False, causal)] = BackwardConfig(64, 128, 8, 3, 128, 64, 8, 2)
+            _BACKWARD[(9, bucket, False, causal)] = (BackwardConfig(64, 64, 4, 3, 64, 64, 4, 3) if causal
+                                                     else BackwardConfig(64, 64, 4, 3, 128, 64, 8, 3))
         _FORWARD[(9, 128, False, causal)] = ForwardConfig(128, 64, 8, 3) if causal else ForwardConfig(64, 64, 4, 3)
-        _BACKWARD[(9, 128, False, causal)] = BackwardConfig(64, 128, 8, 3, 128, 64, 8, 2)
+        _BACKWARD[(9, 128, False, causal)] = BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
         _FORWARD[(9, 256, False, causal)] = ForwardConfig(64, 64, 4, 2)
         _BACKWARD[(9, 256, False, causal)] = BackwardConfig(32, 64, 8, 1, 64, 32, 8, 1)
 
@@ -121,13 +122,10 @@ def auto_schedule(head_dim: int, dtype: torch.dtype, causal: bool, n_kv: int,
                   arch: int | str = 9) -> str:
     """The deterministic schedule ``"auto"`` resolves to (a static rule from measurements).
 
-    On the H200 (docs/benchmarks.md, bf16, d128) the separate dQ pass (``recompute``) was the
-    fastest deterministic schedule at every measured point except causal N = 16k (128 KV tiles of
-    128 rows), where ``shift`` won (234 vs 211 TFLOP/s); at causal N = 1k and 4k ``recompute`` led
-    (142 vs 111, 215 vs 180). ``recompute`` also needs no co-resident programs, so it is the
-    default everywhere else and off Hopper. N = 8k was not measured: the threshold sits at the
-    measured point.
+    Today the rule does not depend on its arguments: on the H200 (docs/kernels-notes.md and
+    docs/benchmarks.md, bf16) the separate dQ pass (``recompute``) is the fastest deterministic
+    schedule at every measured point since its dQ kernel keeps queries along dim 0 (d128, N = 4k:
+    400 TFLOP/s full and 342 causal, against ``shift`` at 273 and 252). It also needs no
+    co-resident programs. The arguments stay so that a measured exception has a place to go.
     """
-    if arch == 9 and causal and head_dim > 64 and n_kv >= 128:
-        return "shift"
     return "recompute"

@@ -14,31 +14,19 @@ import triton.language as tl
 
 from .configs import arch_key, forward_config, head_dim_bucket
 from .launch import dot_precision, mask_kind
-from .tiles import load_tile, mm
+from .tiles import load_tile, masked_scores, mm
 
 LOG2E = 1.4426950408889634
 
+
 @triton.jit
-def _scores_tile(q, K, offs_m, offs_n, start_n, L, S, qk_scale, MASK, stride_mm, stride_mn,
-                 stride_kn, stride_ke, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
-                 BOUNDS: tl.constexpr, E: tl.constexpr, HEAD_E: tl.constexpr, PRECISION: tl.constexpr):
-    """Scores of one KV tile in the log2 domain, with bounds, causal and user masks applied."""
-    cols = start_n + offs_n
+def _scores_tile(q, K, offs_m, cols, L, S, qk_scale, MASK, stride_mm, stride_mn, stride_kn, stride_ke,
+                 MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BOUNDS: tl.constexpr,
+                 E: tl.constexpr, HEAD_E: tl.constexpr, PRECISION: tl.constexpr):
+    """Load one K tile and return its masked log2-domain scores against the resident Q tile."""
     k = load_tile(K, cols, tl.arange(0, HEAD_E), stride_kn, stride_ke, S, E, BOUNDS, E != HEAD_E)
-    s = mm(q, tl.trans(k), PRECISION) * qk_scale
-    if MASK_KIND == 1:
-        keep = tl.load(MASK + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn,
-                       mask=(offs_m[:, None] < L) & (cols[None, :] < S), other=0)
-        s = tl.where(keep != 0, s, float("-inf"))
-    if MASK_KIND == 2:
-        add = tl.load(MASK + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn,
-                      mask=(offs_m[:, None] < L) & (cols[None, :] < S), other=0.0)
-        s = s + add.to(tl.float32) * 1.4426950408889634
-    if BOUNDS:
-        s = tl.where(cols[None, :] < S, s, float("-inf"))
-    if CAUSAL:
-        s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
-    return s
+    return masked_scores(q, k, offs_m, cols, L, S, qk_scale, MASK, stride_mm, stride_mn,
+                         MASK_KIND, CAUSAL, BOUNDS, PRECISION)
 
 
 @triton.jit
@@ -98,13 +86,13 @@ def _attention_forward_kernel(
         end = S
         full_end = (S // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
-        s = _scores_tile(q, k_ptr, offs_m, offs_n, start_n, L, S, qk_scale,
+        s = _scores_tile(q, k_ptr, offs_m, start_n + offs_n, L, S, qk_scale,
                          mask_ptr, stride_mm, stride_mn, stride_kn, stride_ke,
                          MASK_KIND, False, False, E, HEAD_E, PRECISION)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptr, start_n, offs_n, S,
                                      stride_vn, stride_ve, False, EV, HEAD_EV, PRECISION)
     for start_n in range(full_end, end, BLOCK_N):
-        s = _scores_tile(q, k_ptr, offs_m, offs_n, start_n,
+        s = _scores_tile(q, k_ptr, offs_m, start_n + offs_n,
                          L, S, qk_scale, mask_ptr, stride_mm, stride_mn, stride_kn, stride_ke,
                          MASK_KIND, CAUSAL, True, E, HEAD_E, PRECISION)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptr, start_n, offs_n, S,

@@ -1,7 +1,9 @@
 """Tile-level ``@triton.jit`` helpers shared by the forward and backward kernels.
 
 Loads check only the bounds that can be exceeded (constexpr flags), so the hot loops over whole
-tiles issue unmasked, vectorisable loads; the dot widens bf16 where the CPU interpreter needs it.
+tiles issue unmasked, vectorisable loads; the dot widens bf16 where the CPU interpreter needs it;
+scores come out in the log2 domain with every mask applied, for the kernels that keep queries
+along dim 0 (the forward and the dQ pass).
 """
 
 import triton
@@ -36,3 +38,28 @@ def mm(a, b, PRECISION: tl.constexpr):
     else:
         product = tl.dot(a, b, input_precision=PRECISION)
     return product
+
+
+@triton.jit
+def masked_scores(q, k, rows, cols, L, S, qk_scale, MASK, stride_mm, stride_mn,
+                  MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BOUNDS: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """``q k^T`` for query ``rows`` and key ``cols`` in the log2 domain, masks applied (-inf).
+
+    ``MASK`` points at this (batch, head)'s mask; MASK_KIND 1 is boolean (True = attend), 2 is
+    additive. BOUNDS masks keys at or past ``S``; CAUSAL keeps keys at or before the query.
+    """
+    s = mm(q, tl.trans(k), PRECISION) * qk_scale
+    if MASK_KIND == 1:
+        keep = tl.load(MASK + rows[:, None] * stride_mm + cols[None, :] * stride_mn,
+                       mask=(rows[:, None] < L) & (cols[None, :] < S), other=0)
+        s = tl.where(keep != 0, s, float("-inf"))
+    if MASK_KIND == 2:
+        add = tl.load(MASK + rows[:, None] * stride_mm + cols[None, :] * stride_mn,
+                      mask=(rows[:, None] < L) & (cols[None, :] < S), other=0.0)
+        s = s + add.to(tl.float32) * 1.4426950408889634
+    if BOUNDS:
+        s = tl.where(cols[None, :] < S, s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+    return s
