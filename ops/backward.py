@@ -99,9 +99,9 @@ def _backward_main_kernel(
     l_pad = n_q * BLOCK_N
     held = TICKETS  # the ticket whose release is deferred to the next step (amount 0: none yet)
     held_amount = tl.program_id(0) * 0
+    n_heads = total_items // items_per_head
     for work in range(tl.program_id(0), total_items, tl.num_programs(0)):
-        head = work // items_per_head
-        item = work % items_per_head
+        head, item = sch.work_item(work, n_heads, items_per_head, CAUSAL, SCHEDULE)
         b = head // HKV
         hkv = head % HKV
         for slot in range(NUM_SLOTS):
