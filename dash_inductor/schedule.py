@@ -50,21 +50,6 @@ def needs_coresident_head(schedule: str) -> bool:
     return schedule == "shift"
 
 
-def work_item(work: int, n_heads: int, per_head: int, causal: bool, schedule: str) -> tuple[int, int]:
-    """(head, item) of the persistent grid's work index ``work``.
-
-    Head-major: a head's items run side by side (``shift`` needs them co-resident, and DASH's
-    ordered schedules are laid out per head), sharing the head's Q and dO in L2. Item-major for
-    causal masks under the schedules without waits (``recompute``, ``atomic``): causal items shrink
-    as the KV index grows, and a round-robin over head-major items can hand some programs only heavy
-    items (at 128 KV tiles on 132 programs, program 0 gets KV tiles 0, 4, ..., 60 and program 64
-    gets 64, ..., 124: a third of the work); item-major deals each round's heaviest items first.
-    """
-    if causal and schedule not in ORDERED:
-        return work % n_heads, work // n_heads
-    return work // per_head, work % per_head
-
-
 def slot_kv_tile(item: int, slot: int, n_kv: int, causal: bool, schedule: str) -> int:
     """KV tile processed by work ``item`` in ``slot``; -1 when that slot is empty."""
     if causal and schedule == "shift":
@@ -159,16 +144,27 @@ def item_steps(item: int, n_q: int, n_kv: int, causal: bool, schedule: str, *,
 
 def program_plans(schedule: str, *, n_tiles: int, n_heads: int, programs: int, causal: bool,
                   group: int = 1, n_q_tiles: int | None = None) -> list[list[Step]]:
-    """Steps of every program of a persistent grid: program p takes work p, p+P, ... (work_item)."""
+    """Steps of every program of a persistent grid, head-major items.
+
+    Ordered schedules deal item p, p+P, ... to program p; ``recompute`` and ``atomic`` hand the next
+    item to the program that frees up first (all steps of one of them cost the same).
+    """
     n_q = n_tiles if n_q_tiles is None else n_q_tiles
     for name, value in (("n_tiles", n_tiles), ("n_q_tiles", n_q), ("n_heads", n_heads),
                         ("programs", programs), ("group", group)):
         _check_tiles(name, value)
     per_head = items_per_head(n_tiles, causal, schedule)
     plans: list[list[Step]] = [[] for _ in range(programs)]
+    busy = [0] * programs
     for index in range(n_heads * per_head):
-        head, item = work_item(index, n_heads, per_head, causal, schedule)
-        plans[index % programs] += item_steps(item, n_q, n_tiles, causal, schedule, head=head, group=group)
+        head, item = divmod(index, per_head)
+        steps = item_steps(item, n_q, n_tiles, causal, schedule, head=head, group=group)
+        if schedule in ORDERED or index < programs:
+            program = index % programs
+        else:  # the kernel's work counter: whichever program frees up first takes the next item
+            program = min(range(programs), key=lambda p: (busy[p], p))
+        plans[program] += steps
+        busy[program] += len(steps)
     return plans
 
 

@@ -1,7 +1,8 @@
 """Attention backward: preprocess, ONE main dK/dV + ordered-dQ kernel, and the recompute dQ kernel.
 
-The main kernel is persistent: program p takes work items p, p+P, ... (ops/schedules.py lays them
-out). Each slot of an item owns a KV tile, keeps dK and dV in fp32 registers and, for every query
+The main kernel is persistent: program p takes work item p, then p+P, p+2P, ... under the ordered
+schedules (ops/schedules.py lays them out), or the next unclaimed item from a counter under
+``recompute`` and ``atomic``, which balances causal items of unequal length. Each slot of an item owns a KV tile, keeps dK and dV in fp32 registers and, for every query
 head of its GQA group, visits Q tiles in the schedule's order. Its dQ partial goes into an fp32
 accumulator in the order fixed by the schedule's reduction rank, enforced by an int32 ticket per
 (b, hq, Q sub-tile) (ops/tickets.py; DESIGN.md decision 5; DASH, Qiang et al. 2026, for the
@@ -74,7 +75,7 @@ def _load_row_stats(LSE, DELTA, row_base, rows, L, CHECK_ROWS: tl.constexpr):
 
 @triton.jit
 def _backward_main_kernel(
-        Q, K, V, DO, LSE, DELTA, MASK, DK, DV, DQACC, TICKETS, ERR,
+        Q, K, V, DO, LSE, DELTA, MASK, DK, DV, DQACC, TICKETS, ERR, WORK_COUNTER,
         stride_qb, stride_qh, stride_qm, stride_qe,
         stride_kb, stride_kh, stride_kn, stride_ke,
         stride_vb, stride_vh, stride_vn, stride_ve,
@@ -99,9 +100,10 @@ def _backward_main_kernel(
     l_pad = n_q * BLOCK_N
     held = TICKETS  # the ticket whose release is deferred to the next step (amount 0: none yet)
     held_amount = tl.program_id(0) * 0
-    n_heads = total_items // items_per_head
-    for work in range(tl.program_id(0), total_items, tl.num_programs(0)):
-        head, item = sch.work_item(work, n_heads, items_per_head, CAUSAL, SCHEDULE)
+    work = tl.program_id(0)
+    while work < total_items:
+        head = work // items_per_head
+        item = work % items_per_head
         b = head // HKV
         hkv = head % HKV
         for slot in range(NUM_SLOTS):
@@ -164,6 +166,10 @@ def _backward_main_kernel(
                          mask=(cols[:, None] < S) & (offs_e[None, :] < E))
                 tl.store(DV + dv_base + cols[:, None] * stride_dvn + offs_ev[None, :] * stride_dve,
                          dv.to(DV.dtype.element_ty), mask=(cols[:, None] < S) & (offs_ev[None, :] < EV))
+        if ORDERED:  # a fixed deal: the waits rely on it (ops/schedules.py)
+            work += tl.num_programs(0)
+        else:  # no waits, and one program computes each item whole: take the next unclaimed one
+            work = tl.atomic_add(WORK_COUNTER, 1, sem="relaxed") + tl.num_programs(0)
     if ORDERED:
         release_last(held, held_amount, ORDERED_WAITS)
 
@@ -300,12 +306,13 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         dq_acc = torch.zeros((batch * hq, n_q * cfg.block_n, head_e), device=device, dtype=torch.float32)
     tickets = torch.zeros((batch * hq * n_q * (cfg.block_n // cfg.block_m),), device=device,
                           dtype=torch.int32)
-    error_flag = torch.zeros((1,), device=device, dtype=torch.int32)
+    flags = torch.zeros((2,), device=device, dtype=torch.int32)
+    error_flag, work_counter = flags[:1], flags[1:]
 
     def main_args(sched: str) -> tuple[tuple, dict, int]:
         per_head = sch.items_per_head(n_kv, is_causal, sched)
         args = (q, k, v, grad_out, lse, delta, mask_t, dk, dv,
-                dq_acc if dq_acc is not None else delta, tickets, error_flag,
+                dq_acc if dq_acc is not None else delta, tickets, error_flag, work_counter,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides,
                 *dk.stride(), *dv.stride(),
                 hq, hkv, seq_q, seq_k, n_q, n_kv, per_head, batch * hkv * per_head,

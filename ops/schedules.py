@@ -52,19 +52,6 @@ def needs_coresident_head(schedule: str) -> bool:
 
 
 @triton.jit
-def work_item(work, n_heads, per_head, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr):
-    """(head, item) of the persistent grid's work index: head-major, but item-major for causal
-    ``recompute`` and ``atomic`` (balances the shrinking causal items over the programs)."""
-    if CAUSAL and ((SCHEDULE == RECOMPUTE) | (SCHEDULE == ATOMIC)):
-        head = work % n_heads
-        item = work // n_heads
-    else:
-        head = work // per_head
-        item = work % per_head
-    return head, item
-
-
-@triton.jit
 def slot_kv_tile(item, slot, n_kv, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr):
     """KV tile processed by work ``item`` in ``slot``; -1 when that slot is empty."""
     if CAUSAL and SCHEDULE == SHIFT:

@@ -64,13 +64,14 @@ def _exact_domain():
         yield schedule, causal, n_q, n_kv, group, heads, programs
 
 
-def _item_major(schedule, causal):
+def _dealt_by_counter(schedule, causal):
+    """recompute/atomic take the next free item; with causal masks that breaks the closed form."""
     return causal and schedule not in S.ORDERED
 
 
 def test_predicted_makespan_equals_the_simulated_critical_path():
     rng = random.Random(4)
-    cases = [case for case in _exact_domain() if not _item_major(case[0], case[1])]
+    cases = [case for case in _exact_domain() if not _dealt_by_counter(case[0], case[1])]
     assert len(cases) > 1000
     for schedule, causal, n_q, n_kv, group, heads, programs in cases:
         c, r = rng.choice(COSTS)
@@ -80,9 +81,9 @@ def test_predicted_makespan_equals_the_simulated_critical_path():
         assert S.predicted_makespan(schedule, **kwargs) == pytest.approx(simulated, rel=1e-12), kwargs
 
 
-def test_item_major_dealing_never_loses_to_the_head_major_critical_path():
-    """Causal recompute/atomic deal items item-major; the head-major closed form bounds them."""
-    cases = [case for case in _exact_domain() if _item_major(case[0], case[1])]
+def test_dealing_by_counter_never_loses_to_the_fixed_deal_critical_path():
+    """Causal recompute/atomic take the next free item; the fixed deal's closed form bounds them."""
+    cases = [case for case in _exact_domain() if _dealt_by_counter(case[0], case[1])]
     assert len(cases) > 100
     for (schedule, causal, n_q, n_kv, group, heads, programs), (c, r) in itertools.product(cases, COSTS):
         kwargs = dict(n_tiles=n_kv, n_q_tiles=n_q, n_heads=heads, programs=programs, causal=causal,
@@ -90,9 +91,9 @@ def test_item_major_dealing_never_loses_to_the_head_major_critical_path():
         assert S.simulate(schedule, **kwargs).makespan <= S.predicted_makespan(schedule, **kwargs), kwargs
 
 
-def test_item_major_dealing_balances_causal_items_when_programs_barely_exceed_tiles():
-    """64 KV tiles on 68 programs: dealt head-major, program 0 would get KV tiles 0, 4, 8, ... of
-    every head (1.6x the mean work); item-major stays within 1.2x of it."""
+def test_dealing_by_counter_balances_causal_items_when_programs_barely_exceed_tiles():
+    """64 KV tiles on 68 programs: dealt p, p+P, ..., program 0 would get KV tiles 0, 4, 8, ... of
+    every head (1.6x the mean work); taking the next free item stays within 1.2x of it."""
     n, heads, programs, cost = 64, 8, 68, 1.25
     sim = S.simulate("atomic", n_tiles=n, n_heads=heads, programs=programs, causal=True, c=1.0, r=0.25)
     mean = heads * n * (n + 1) / 2 * cost / programs

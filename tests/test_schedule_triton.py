@@ -117,26 +117,3 @@ def test_triton_schedule_functions_equal_the_model(schedule, causal):
         got = _run_kernel(schedule, causal, n_q, n_kv)
         assert got == _expected(schedule, causal, n_q, n_kv), (schedule, causal, n_q, n_kv)
 
-
-@triton.jit
-def _evaluate_work_items(head_out, item_out, total, n_heads, per_head, BLOCK: tl.constexpr,
-                         CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr):
-    work = tl.arange(0, BLOCK)
-    head, item = ops.work_item(work, n_heads, per_head, CAUSAL, SCHEDULE)
-    tl.store(head_out + work, head, mask=work < total)
-    tl.store(item_out + work, item, mask=work < total)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("schedule", sorted(ops.SCHEDULE_IDS))
-def test_work_item_equals_the_model_and_covers_every_item_once(schedule, causal):
-    for n_heads, n_kv in itertools.product((1, 3, 4), (1, 5, 8)):
-        per_head = ops.items_per_head(n_kv, causal, schedule)
-        total = n_heads * per_head
-        block = triton.next_power_of_2(total)
-        heads, items = (torch.full((block,), -7, dtype=torch.int32, device=DEVICE) for _ in range(2))
-        _evaluate_work_items[(1,)](heads, items, total, n_heads, per_head, BLOCK=block,
-                                   CAUSAL=causal, SCHEDULE=ops.SCHEDULE_IDS[schedule])
-        got = list(zip(heads.tolist()[:total], items.tolist()[:total]))
-        assert got == [model.work_item(w, n_heads, per_head, causal, schedule) for w in range(total)]
-        assert sorted(got) == list(itertools.product(range(n_heads), range(per_head)))
