@@ -146,8 +146,8 @@ def program_plans(schedule: str, *, n_tiles: int, n_heads: int, programs: int, c
                   group: int = 1, n_q_tiles: int | None = None) -> list[list[Step]]:
     """Steps of every program of a persistent grid, head-major items.
 
-    Ordered schedules deal item p, p+P, ... to program p; ``recompute`` and ``atomic`` hand the next
-    item to the program that frees up first (all steps of one of them cost the same).
+    Program p takes items p, p+P, ...; except under causal ``recompute`` and ``atomic``, where the
+    program that frees up first takes the next item (all steps of one of them cost the same).
     """
     n_q = n_tiles if n_q_tiles is None else n_q_tiles
     for name, value in (("n_tiles", n_tiles), ("n_q_tiles", n_q), ("n_heads", n_heads),
@@ -159,7 +159,7 @@ def program_plans(schedule: str, *, n_tiles: int, n_heads: int, programs: int, c
     for index in range(n_heads * per_head):
         head, item = divmod(index, per_head)
         steps = item_steps(item, n_q, n_tiles, causal, schedule, head=head, group=group)
-        if schedule in ORDERED or index < programs:
+        if schedule in ORDERED or not causal or index < programs:
             program = index % programs
         else:  # the kernel's work counter: whichever program frees up first takes the next item
             program = min(range(programs), key=lambda p: (busy[p], p))

@@ -1,8 +1,8 @@
 """Attention backward: preprocess, ONE main dK/dV + ordered-dQ kernel, and the recompute dQ kernel.
 
-The main kernel is persistent: program p takes work item p, then p+P, p+2P, ... under the ordered
-schedules (ops/schedules.py lays them out), or the next unclaimed item from a counter under
-``recompute`` and ``atomic``, which balances causal items of unequal length. Each slot of an item owns a KV tile, keeps dK and dV in fp32 registers and, for every query
+The main kernel is persistent: program p takes work item p, then p+P, p+2P, ... (ops/schedules.py
+lays them out), except that under causal ``recompute`` and ``atomic``, which have no waits, it takes
+the next unclaimed item from a counter, which balances causal items of unequal length. Each slot of an item owns a KV tile, keeps dK and dV in fp32 registers and, for every query
 head of its GQA group, visits Q tiles in the schedule's order. Its dQ partial goes into an fp32
 accumulator in the order fixed by the schedule's reduction rank, enforced by an int32 ticket per
 (b, hq, Q sub-tile) (ops/tickets.py; DESIGN.md decision 5; DASH, Qiang et al. 2026, for the
@@ -166,10 +166,10 @@ def _backward_main_kernel(
                          mask=(cols[:, None] < S) & (offs_e[None, :] < E))
                 tl.store(DV + dv_base + cols[:, None] * stride_dvn + offs_ev[None, :] * stride_dve,
                          dv.to(DV.dtype.element_ty), mask=(cols[:, None] < S) & (offs_ev[None, :] < EV))
-        if ORDERED:  # a fixed deal: the waits rely on it (ops/schedules.py)
-            work += tl.num_programs(0)
-        else:  # no waits, and one program computes each item whole: take the next unclaimed one
+        if CAUSAL and not ORDERED:  # items of unequal length, no waits, each item computed whole
             work = tl.atomic_add(WORK_COUNTER, 1, sem="relaxed") + tl.num_programs(0)
+        else:  # a fixed deal: the waits rely on it (ops/schedules.py); full-mask items are equal
+            work += tl.num_programs(0)
     if ORDERED:
         release_last(held, held_amount, ORDERED_WAITS)
 
