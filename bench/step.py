@@ -170,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.write_text(render_markdown(env, args, rows, memory))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"environment": env, "args": vars(args) | {"json": str(
-            args.json)}, "steps": rows, "attention_memory": memory}, indent=1))
+        options = {key: str(value) if isinstance(value, Path) else value
+                   for key, value in vars(args).items()}
+        args.json.write_text(json.dumps({"environment": env, "args": options, "steps": rows,
+                                         "attention_memory": memory}, indent=1))
     return 0
 
 
