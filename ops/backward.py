@@ -2,8 +2,9 @@
 
 The main kernel is persistent: program p takes work item p, then p+P, p+2P, ... (ops/schedules.py
 lays them out), except that under causal ``recompute`` and ``atomic``, which have no waits, it takes
-the next unclaimed item from a counter, which balances causal items of unequal length. Each slot of an item owns a KV tile, keeps dK and dV in fp32 registers and, for every query
-head of its GQA group, visits Q tiles in the schedule's order. Its dQ partial goes into an fp32
+the next unclaimed item from a counter, which balances causal items of unequal length. Each slot of
+an item owns a KV tile, keeps dK and dV in fp32 registers and, for every query head of its GQA
+group, visits Q tiles in the schedule's order. Its dQ partial goes into an fp32
 accumulator in the order fixed by the schedule's reduction rank, enforced by an int32 ticket per
 (b, hq, Q sub-tile) (ops/tickets.py; DESIGN.md decision 5; DASH, Qiang et al. 2026, for the
 orders). The schedule is a constexpr, so every schedule is this one kernel body. ``recompute``

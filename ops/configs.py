@@ -61,9 +61,10 @@ def _fill_hopper() -> None:
     for causal in (False, True):
         for bucket in (16, 32, 64):
             _FORWARD[(9, bucket, False, causal)] = ForwardConfig(128, 64, 8, 3)
-            _BACKWARD[(9, bucket, False, causal)] = (BackwardConfig(64, 64, 4, 3, 64, 64, 4, 3) if causal
-                                                     else BackwardConfig(64, 64, 4, 3, 128, 64, 8, 3))
-        _FORWARD[(9, 128, False, causal)] = ForwardConfig(128, 64, 8, 3) if causal else ForwardConfig(64, 64, 4, 3)
+            dq_tile = (64, 64, 4, 3) if causal else (128, 64, 8, 3)
+            _BACKWARD[(9, bucket, False, causal)] = BackwardConfig(64, 64, 4, 3, *dq_tile)
+        _FORWARD[(9, 128, False, causal)] = (ForwardConfig(128, 64, 8, 3) if causal
+                                             else ForwardConfig(64, 64, 4, 3))
         _BACKWARD[(9, 128, False, causal)] = BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
         _FORWARD[(9, 256, False, causal)] = ForwardConfig(64, 64, 4, 2)
         _BACKWARD[(9, 256, False, causal)] = BackwardConfig(32, 64, 8, 1, 64, 32, 8, 1)
