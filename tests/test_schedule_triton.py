@@ -116,4 +116,3 @@ def test_triton_schedule_functions_equal_the_model(schedule, causal):
     for n_q, n_kv in sizes:
         got = _run_kernel(schedule, causal, n_q, n_kv)
         assert got == _expected(schedule, causal, n_q, n_kv), (schedule, causal, n_q, n_kv)
-
