@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--dash-grid", choices=("quick", "full"), default="quick",
                      help="problems of the attention benchmarks: a few (quick, default) or "
-                          "DESIGN.md's whole grid (full)")
+                          "the whole grid of docs/benchmarks.md (full)")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

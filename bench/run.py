@@ -2,9 +2,9 @@
 
     python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--plots DIR]
 
-Follows DESIGN.md's performance protocol: one process, one GPU, random bf16 inputs, do_bench
-medians; the grid is head dim 64 and 128, H*D = 2048, B*N = 16384, N from 512 to 16k, causal and
-full, plus GQA (Hq/Hkv = 4) at N = 4k and 8k. Next to each schedule's backward time it gives the
+Follows the protocol of docs/benchmarks.md ("How it is measured"): one process, one GPU, random
+bf16 inputs, do_bench medians; the grid is head dim 64 and 128, H*D = 2048, B*N = 16384, N from 512
+to 16k, causal and full, plus GQA (Hq/Hkv = 4) at N = 4k and 8k. Next to each schedule's backward time it gives the
 DASH model's critical-path prediction (dash_inductor.schedule), scaled by the measured atomic time.
 
 A measurement that fails is recorded with its error and the run goes on. The measuring runs in a
