@@ -5,7 +5,7 @@
 
 --check: FlashAttention-rule accuracy of forward and every backward schedule, and 5-repeat bitwise
 equality of the deterministic ones. --time: TFLOP/s of forward and of each backward schedule on the
-DESIGN.md grid (bf16, H*D = 2048, B*N = 16384), with SDPA (determinism off) as anchor. --sweep:
+docs/benchmarks.md grid (bf16, H*D = 2048, B*N = 16384), SDPA (determinism off) as anchor. --sweep:
 backward and forward tile configs on d64/d128, N = 4096. --tune: `recompute` under dQ-kernel and
 main-kernel config candidates, and the ordered schedules, on --dims x --seqs. FLOPs as
 FlashAttention counts them: forward 4*B*H*N^2*D (halved when causal), backward 2.5x forward.

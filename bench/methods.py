@@ -1,7 +1,7 @@
 """What the benchmarks measure: the problem grid, the attention implementations, and the timers.
 
 Shared by the grid runner (run.py) and the pytest-benchmark suite (test_bench_attention.py) so both
-measure the same thing the same way (DESIGN.md's performance protocol): random bf16 inputs, one
+measure the same thing the same way (docs/benchmarks.md's protocol): random bf16 inputs, one
 process, one GPU, ``triton.testing.do_bench`` medians, FLOPs counted as FlashAttention does
 (forward 4*B*H*N^2*D, halved when causal; backward 2.5x the forward).
 """
@@ -67,7 +67,7 @@ class Problem:
 
 def grid(quick: bool = False, head_dims: tuple[int, ...] = (64, 128),
          seqs: tuple[int, ...] = SEQS) -> list[Problem]:
-    """DESIGN.md's grid (or, quick, a few of its configs for a smoke run)."""
+    """The grid of docs/benchmarks.md (or, quick, a few of its configs for a smoke run)."""
     if quick:
         head_dims, seqs = head_dims[-1:], (1024, 4096)
     problems = []

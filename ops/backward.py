@@ -6,7 +6,7 @@ the next unclaimed item from a counter, which balances causal items of unequal l
 an item owns a KV tile, keeps dK and dV in fp32 registers and, for every query head of its GQA
 group, visits Q tiles in the schedule's order. Its dQ partial goes into an fp32
 accumulator in the order fixed by the schedule's reduction rank, enforced by an int32 ticket per
-(b, hq, Q sub-tile) (ops/tickets.py; DESIGN.md decision 5; DASH, Qiang et al. 2026, for the
+(b, hq, Q sub-tile) (ops/tickets.py; docs/design.md; DASH, Qiang et al. 2026, for the
 orders). The schedule is a constexpr, so every schedule is this one kernel body. ``recompute``
 skips dQ there and runs the dQ kernel instead: one program per Q tile, KV tiles in ascending order.
 """

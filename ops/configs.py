@@ -1,6 +1,6 @@
 """Static tile configurations of the attention kernels, and the rule behind ``schedule="auto"``.
 
-Determinism forbids timing-based autotuning at run time (DESIGN.md decision 4): a config chosen by a
+Determinism forbids timing-based autotuning at run time (docs/design.md): a config chosen by a
 race between candidates could differ between runs and change the bits. So every choice here is a
 fixed table lookup keyed by (head-dim bucket, dtype, causal, GPU architecture), filled offline from
 measurements written down in docs/kernels-notes.md.
