@@ -1,6 +1,9 @@
 """GPU determinism report: run the determinism properties on the Triton kernels and write them down.
 
-    python3 bench/determinism_report.py --out docs/determinism-report.md --json determinism.json
+    python3 bench/determinism_report.py [--out REPORT.md] [--json RECORDS.json]
+
+By default both go to bench/results/<date>-<gpu>-<commit>/ (determinism-report.md and
+determinism.json), with the command in that folder's README.md.
 
 Checks, all with ``dash_inductor.testing``: (1) a handful of representative problems, each repeated
 ``--repeats`` times (1000, as FlashAttention-3's tests) per deterministic backward schedule;
@@ -22,6 +25,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -295,14 +299,16 @@ def markdown(env: dict[str, str], records: list[Record], args: argparse.Namespac
         lines += [f"- {r.config}: **{verdict}** (up to {r.repeats} repeats per problem)", "",
                   "```", r.detail, "```", ""]
     lines += ["", f"Re-run: `python3 bench/determinism_report.py --repeats {args.repeats} "
-                  f"--draws {args.draws} --out docs/determinism-report.md`", ""]
+                  f"--draws {args.draws}`", ""]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="docs/determinism-report.md")
-    parser.add_argument("--json", default=None, help="also write the raw records here")
+    parser.add_argument("--out", default=None, help="the markdown report (default: "
+                        "bench/results/<date>-<gpu>-<commit>/determinism-report.md)")
+    parser.add_argument("--json", default=None, help="the raw records (default: determinism.json "
+                        "in the default folder)")
     parser.add_argument("--repeats", type=int, default=1000)
     parser.add_argument("--draws", type=int, default=12)
     parser.add_argument("--control-repeats", type=int, default=50)
@@ -316,13 +322,23 @@ def main() -> None:
         parser.error("no CUDA device: run on a GPU, or pass --smoke")
     env = environment()
     records = list(run_all(args))
-    with open(args.out, "w") as handle:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import outdir
+
+    directory = outdir.default_dir(env["device"], env["date"])
+    report_path = args.out or os.path.join(directory, "determinism-report.md")
+    json_path = args.json or os.path.join(directory, "determinism.json")
+    for path in (report_path, json_path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(report_path, "w") as handle:
         handle.write(markdown(env, records, args))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"environment": env, "records": [dataclasses.asdict(r) for r in records]},
-                      handle, indent=1)
-    print(f"wrote {args.out}")
+    with open(json_path, "w") as handle:
+        json.dump({"environment": env, "records": [dataclasses.asdict(r) for r in records]},
+                  handle, indent=1)
+    if not (args.out and args.json):
+        command = " ".join(["python3 bench/determinism_report.py", *sys.argv[1:]])
+        outdir.record_command(directory, command, [Path(report_path), Path(json_path)])
+    print(f"wrote {report_path} and {json_path}")
 
 
 if __name__ == "__main__":

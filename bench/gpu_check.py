@@ -1,6 +1,6 @@
 """Correctness and speed of the kernels on one GPU, in one process (run on an H100/H200).
 
-    python bench/gpu_check.py --out DIR [--check] [--time] [--sweep] [--tune]
+    python bench/gpu_check.py [--out DIR] [--check] [--time] [--sweep] [--tune]
                               [--dims 64,128] [--seqs 1024,4096]
 
 --check: FlashAttention-rule accuracy of forward and every backward schedule, and 5-repeat bitwise
@@ -193,7 +193,8 @@ def tune(report, dims, seqs):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--out", default=None, help="folder for gpu_check.json (default "
+                        "bench/results/<date>-<gpu>-<commit>)")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--gqa", action="store_true")
@@ -203,6 +204,14 @@ def main() -> None:
     parser.add_argument("--seqs", default="1024,4096,16384")
     parser.add_argument("--sweep-schedules", default="atomic,ascending")
     args = parser.parse_args()
+    if args.out is None:
+        import outdir  # bench/outdir.py, beside this script
+
+        directory = outdir.default_dir(torch.cuda.get_device_name())
+        command = " ".join(["python bench/gpu_check.py", *sys.argv[1:]])
+        outdir.record_command(directory, command, [directory / "gpu_check.json"])
+        args.out = str(directory)
+    os.makedirs(args.out, exist_ok=True)
     dims = [int(x) for x in args.dims.split(",")]
     report = [dict(kind="env", device=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=triton.__version__, sms=torch.cuda.get_device_properties(0).multi_processor_count)]

@@ -1,11 +1,15 @@
 """The benchmark grid runner: TFLOP/s of dash.attention's schedules against SDPA and FlexAttention.
 
-    python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--plots DIR]
+    python bench/run.py [--quick] [--out DIR] [--json PATH] [--markdown PATH] [--plots DIR]
+
+Raw results go to DIR (default bench/results/<date>-<gpu>-<commit>/): bench.json and bench.md, and
+the command in its README.md; --json and --markdown write those two elsewhere instead.
 
 Follows the protocol of docs/benchmarks.md ("How it is measured"): one process, one GPU, random
 bf16 inputs, do_bench medians; the grid is head dim 64 and 128, H*D = 2048, B*N = 16384, N from 512
-to 16k, causal and full, plus GQA (Hq/Hkv = 4) at N = 4k and 8k. Next to each schedule's backward time it gives the
-DASH model's critical-path prediction (dash_inductor.schedule), scaled by the measured atomic time.
+to 16k, causal and full, plus GQA (Hq/Hkv = 4) at N = 4k and 8k. Next to each schedule's backward
+time it gives the DASH model's critical-path prediction (dash_inductor.schedule), scaled by the
+measured atomic time.
 
 A measurement that fails is recorded with its error and the run goes on. The measuring runs in a
 worker process; if a kernel kills the CUDA context (an illegal memory access, say), the worker
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import methods as m  # noqa: E402
+import outdir  # noqa: E402
 import report  # noqa: E402
 from dash_inductor.demo import ProgressBar, quiet_cache_key_warnings  # noqa: E402
 
@@ -187,8 +192,11 @@ def orchestrate(argv: list[str], tasks: list[tuple[m.Problem, m.Method]]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few configs, for a smoke run")
-    parser.add_argument("--json", type=Path, help="write the raw results here")
-    parser.add_argument("--markdown", type=Path, help="write the markdown tables here")
+    parser.add_argument("--out", type=Path,
+                        help="folder for bench.json and bench.md (default "
+                             "bench/results/<date>-<gpu>-<commit>)")
+    parser.add_argument("--json", type=Path, help="write the raw results here instead")
+    parser.add_argument("--markdown", type=Path, help="write the markdown tables here instead")
     parser.add_argument("--plots", type=Path, help="draw PNG plots into this directory")
     parser.add_argument("--head-dims", default="64,128", help="comma-separated (default 64,128)")
     parser.add_argument("--seqs", default=",".join(map(str, m.SEQS)), help="comma-separated")
@@ -240,13 +248,17 @@ def write_outputs(args: argparse.Namespace, argv: list[str], env: dict[str, Any]
     for row in failures:
         print(f"FAILED {row['problem']} {row['method']}: {row['error']}")
     command = " ".join(["python bench/run.py", *argv])
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"environment": env, "command": command, "rows": rows},
-                                        indent=1))
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(report.render_markdown(env, rows, command))
+    directory = args.out or outdir.default_dir(env["gpu"], env["date"])
+    json_path = args.json or directory / "bench.json"
+    markdown_path = args.markdown or directory / "bench.md"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"environment": env, "command": command, "rows": rows},
+                                    indent=1))
+    markdown_path.parent.mkdir(parents=True, exist_ok=True)
+    markdown_path.write_text(report.render_markdown(env, rows, command))
+    if not (args.json and args.markdown):
+        outdir.record_command(directory, command, [json_path, markdown_path])
+    print(f"wrote {json_path} and {markdown_path}")
     if args.plots:
         try:
             for path in report.draw_plots(rows, args.plots):

@@ -1,6 +1,6 @@
 """End-to-end benchmark: one compiled GPT training step with determinism on (dash), on (SDPA), off.
 
-    python bench/step.py [--quick] [--json PATH] [--seqs 2048,4096,8192] [--layers 12] ...
+    python bench/step.py [--quick] [--out DIR] [--seqs 2048,4096,8192] [--layers 12] ...
 
 A GPT-style model (12 layers, d_model 1024, 16 heads, causal SDPA, bf16, B*N = 16k tokens) is
 compiled with torch.compile and trained with AdamW in three modes:
@@ -11,7 +11,7 @@ compiled with torch.compile and trained with AdamW in three modes:
   deterministic attention backward);
 - determinism off: plain PyTorch.
 
-It prints and writes (--json) the median step time and the peak memory of each, and the peak memory
+It prints and writes the median step time and the peak memory of each, and the peak memory
 of one attention forward+backward alone (dash against SDPA: dash adds no N x N buffer, only O(N*d)
 for the fp32 dQ accumulator and the tickets). The target is dash <= 1.10x the determinism-off step.
 """
@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 import dash_inductor  # noqa: E402
 import methods as m  # noqa: E402
+import outdir  # noqa: E402
 from dash_inductor.demo import DemoConfig, ProgressBar, make_model  # noqa: E402
 from dash_inductor.demo import describe_sites, quiet_cache_key_warnings, recorded_sites  # noqa: E402,E501
 
@@ -116,8 +117,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: N = 2048, 2 layers, 3 timed steps")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--markdown", type=Path, help="write the tables here, as markdown")
+    parser.add_argument("--out", type=Path,
+                        help="folder for step.json and step.md (default "
+                             "bench/results/<date>-<gpu>-<commit>)")
+    parser.add_argument("--json", type=Path, help="write the results here instead")
+    parser.add_argument("--markdown", type=Path, help="write the tables here instead, as markdown")
     parser.add_argument("--seqs", default="2048,4096,8192", help="comma-separated sequence lengths")
     parser.add_argument("--tokens", type=int, default=16384, help="B * N per step (default 16384)")
     parser.add_argument("--layers", type=int, default=12)
@@ -165,15 +169,20 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(note)
         memory += attention_memory(seq, cfg)
     print_results(rows, memory)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(render_markdown(env, args, rows, memory))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        options = {key: str(value) if isinstance(value, Path) else value
-                   for key, value in vars(args).items()}
-        args.json.write_text(json.dumps({"environment": env, "args": options, "steps": rows,
-                                         "attention_memory": memory}, indent=1))
+    directory = args.out or outdir.default_dir(env["gpu"], env["date"])
+    markdown_path = args.markdown or directory / "step.md"
+    json_path = args.json or directory / "step.json"
+    markdown_path.parent.mkdir(parents=True, exist_ok=True)
+    markdown_path.write_text(render_markdown(env, args, rows, memory))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    options = {key: str(value) if isinstance(value, Path) else value
+               for key, value in vars(args).items()}
+    json_path.write_text(json.dumps({"environment": env, "args": options, "steps": rows,
+                                     "attention_memory": memory}, indent=1))
+    if not (args.json and args.markdown):
+        command = " ".join(["python bench/step.py", *(sys.argv[1:] if argv is None else argv)])
+        outdir.record_command(directory, command, [json_path, markdown_path])
+    print(f"wrote {json_path} and {markdown_path}")
     return 0
 
 

@@ -2,8 +2,8 @@
 larger draws, 1000 repeats of representative problems under every deterministic schedule, and
 negative controls proving that the checker catches real non-determinism.
 
-The checks live in bench/determinism_report.py, which runs them to write
-docs/determinism-report.md; here pytest runs the same functions.
+The checks live in bench/determinism_report.py, which runs them to write a report under
+bench/results/; here pytest runs the same functions.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Draw the schedule figures of docs/schedules.md from the DAG simulator and print its makespan table.
 
-Run from the repository root: ``python docs/make_figures.py`` (needs matplotlib).
+Run from the repository root: ``python bench/make_figures.py`` (needs matplotlib). The figures go
+to docs/img/.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from dash_inductor import schedule as S  # noqa: E402
 
-IMG = Path(__file__).resolve().parent / "img"
+IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 C, R = 1.0, 0.4
 
 
