@@ -5,13 +5,15 @@
 installs the Inductor pass that rewrites SDPA into it under ``torch.use_deterministic_algorithms``.
 """
 
-from . import config
+from . import config, integrations
 from .library import attention, unsupported_reason
 from .rewrite import explain
 from .rewrite import install as enable
 from .rewrite import uninstall as disable
 
 enable()
+integrations.install()  # registers, never activates: see dash_inductor.integrations
 
-__all__ = ["attention", "config", "disable", "enable", "explain", "unsupported_reason"]
+__all__ = ["attention", "config", "disable", "enable", "explain", "integrations",
+           "unsupported_reason"]
 __version__ = "0.1.0"
