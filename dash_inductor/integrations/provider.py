@@ -63,10 +63,11 @@ def backward_reason(query: Tensor, key: Tensor, value: Tensor, logsumexp: Tensor
                     dropout_p: float, is_causal: bool, scale: float | None) -> str | None:
     """As ``forward_reason``. A forward left to PyTorch only for its debug mask still has a
     valid (out, logsumexp) pair: FlashAttention-2's logsumexp has dash's shape and meaning."""
-    expected = (*query.shape[:3],)
-    if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != expected:
+    shape = (*query.shape[:3],)
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    if logsumexp.dtype != dtype or tuple(logsumexp.shape) != shape:
         return (f"logsumexp of dtype {logsumexp.dtype} and shape {tuple(logsumexp.shape)} "
-                f"(dash reads float32 {expected})")
+                f"(dash reads {dtype} {shape})")
     return unsupported_reason(query, key, value, None, dropout_p, is_causal, scale,
                               _gqa(query, key))
 
