@@ -1,0 +1,163 @@
+"""Check and time the Hopper (sm90) backward against the portable kernels and SDPA, in one process.
+
+    python3 bench/hopper_check.py [--quick] [--out DIR]
+
+Accuracy: FlashAttention's rule (|ours - fp32 ref| <= 2 |torch same-dtype - ref| + 1e-3) for every
+schedule on uneven and GQA shapes; determinism: bitwise equal gradients over repeats for every
+deterministic schedule; timing: backward TFLOP/s (2.5x the forward's 4*B*H*N^2*D, halved when
+causal) for each schedule against the portable kernels and SDPA (cuDNN, determinism off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from dash_inductor.ops import attention_forward
+from dash_inductor.ops import attention_backward as portable_backward
+from dash_inductor.ops import catalog
+from dash_inductor.ops.hopper.launch import attention_backward as hopper_backward
+
+
+def _inputs(batch, hq, hkv, seq, dim, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda h: torch.randn(batch, h, seq, dim, device="cuda", dtype=dtype, generator=gen)
+    return make(hq), make(hkv), make(hkv), make(hq)
+
+
+def _forward(q, k, v, causal):
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=q.shape[-1] ** -0.5)
+    return out, lse
+
+
+def _hopper(q, k, v, do, out, lse, causal, schedule):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    hopper_backward(do, q, k, v, out, lse, dq, dk, dv, is_causal=causal, scale=q.shape[-1] ** -0.5,
+                    schedule=catalog.get(schedule), max_spin=1 << 26)
+    return dq, dk, dv
+
+
+def _portable(q, k, v, do, out, lse, causal, schedule):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    portable_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
+                      scale=q.shape[-1] ** -0.5, schedule=schedule, kernel="portable")
+    return dq, dk, dv
+
+
+def _sdpa_grads(q, k, v, do, causal, dtype, backend=SDPBackend.MATH):
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(backend):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+    out.backward(do.to(dtype))
+    return q.grad, k.grad, v.grad
+
+
+def check_accuracy(shapes, log):
+    ok = True
+    for shape in shapes:
+        for causal in (False, True):
+            q, k, v, do = _inputs(*shape)
+            ref = _sdpa_grads(q, k, v, do, causal, torch.float32)
+            same = _sdpa_grads(q, k, v, do, causal, q.dtype)
+            out, lse = _forward(q, k, v, causal)
+            for schedule in catalog.NAMES:
+                grads = _hopper(q, k, v, do, out, lse, causal, schedule)
+                worst = []
+                for name, a, s, r in zip(("dq", "dk", "dv"), grads, same, ref):
+                    ours = (a.float() - r).abs().max().item()
+                    bound = 2 * (s.float() - r).abs().max().item() + 1e-3
+                    worst.append(f"{name} {ours:.2e}/{bound:.2e}")
+                    ok &= ours <= bound
+                log(f"accuracy {shape} causal={causal} {schedule:10s} " + "  ".join(worst))
+            portable = _portable(q, k, v, do, out, lse, causal, "recompute")
+            log(f"accuracy {shape} causal={causal} portable recompute (reference point) " + "  ".join(
+                f"{name} {(a.float() - r).abs().max().item():.2e}"
+                for name, a, r in zip(("dq", "dk", "dv"), portable, ref)))
+    return ok
+
+
+def check_bitwise(shapes, repeats, log):
+    ok = True
+    for shape in shapes:
+        for causal in (False, True):
+            q, k, v, do = _inputs(*shape, seed=1)
+            out, lse = _forward(q, k, v, causal)
+            for schedule in catalog.DETERMINISTIC:
+                first = _hopper(q, k, v, do, out, lse, causal, schedule)
+                same = all(all(torch.equal(a, b) for a, b in
+                               zip(first, _hopper(q, k, v, do, out, lse, causal, schedule)))
+                           for _ in range(repeats))
+                ok &= same
+                log(f"bitwise {shape} causal={causal} {schedule:10s} {repeats} repeats: {same}")
+    return ok
+
+
+def _tflops(shape, causal, ms):
+    batch, hq, _, seq, dim = shape
+    flops = 2.5 * 4 * batch * hq * seq * seq * dim / (2 if causal else 1)
+    return flops / (ms * 1e-3) / 1e12
+
+
+def time_backward(shapes, log):
+    rows = []
+    for shape in shapes:
+        for causal in (False, True):
+            q, k, v, do = _inputs(*shape)
+            out, lse = _forward(q, k, v, causal)
+            row = {"shape": shape, "causal": causal}
+            for schedule in catalog.NAMES:
+                row[f"hopper {schedule}"] = _tflops(shape, causal, triton.testing.do_bench(
+                    lambda: _hopper(q, k, v, do, out, lse, causal, schedule), return_mode="median"))
+            row["portable recompute"] = _tflops(shape, causal, triton.testing.do_bench(
+                lambda: _portable(q, k, v, do, out, lse, causal, "recompute"), return_mode="median"))
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
+                                                   enable_gqa=q.shape[1] != k.shape[1])
+            row["sdpa cudnn"] = _tflops(shape, causal, triton.testing.do_bench(
+                lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True),
+                return_mode="median"))
+            rows.append(row)
+            log(f"tflops {shape} causal={causal} " + "  ".join(
+                f"{key}={val:.0f}" for key, val in row.items() if isinstance(val, float)))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="accuracy and a short timing only")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=None, help="folder for hopper_check.json")
+    args = parser.parse_args()
+    started = time.time()
+    log = lambda line: print(f"[{time.time() - started:6.1f}s] {line}", flush=True)
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    accuracy = [(2, 4, 2, 1000, 128), (1, 4, 4, 640, 64)]
+    timing = [(4, 16, 16, 4096, 128)]
+    if not args.quick:
+        accuracy += [(1, 2, 2, 300, 128)]
+        timing += [(4, 32, 32, 4096, 64), (1, 16, 16, 16384, 128)]
+    ok = check_accuracy(accuracy, log)
+    if not args.quick:
+        ok &= check_bitwise([(2, 8, 8, 1024, 128), (1, 16, 4, 2048, 64)], args.repeats, log)
+    rows = time_backward(timing, log)
+    if args.out:
+        with open(f"{args.out}/hopper_check.json", "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "ok": ok, "timing": rows}, f, indent=1)
+    log(f"{'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

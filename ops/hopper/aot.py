@@ -1,0 +1,45 @@
+"""Compile the Hopper kernels for sm90 without a GPU (what CI runs, and what reads their PTX here).
+
+``triton.compile`` with a CUDA target of capability 90 runs the whole Gluon pipeline down to PTX and
+cubin on a CPU-only machine; a kernel variant that no longer compiles fails there, not on the GPU.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from .backward import backward_kernel
+from .config import HopperBackwardConfig, backward_constexprs
+
+SM90 = GPUTarget("cuda", 90, 32)
+_GL_DTYPES = {"bf16": gl.bfloat16, "fp16": gl.float16}
+
+
+def _descriptor(dtype: str, block: list[int]) -> str:
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
+    return f"tensordesc<{dtype}{block},{layout!r}>"
+
+
+def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, group: int = 1,
+                     even_s: bool = True, cfg: HopperBackwardConfig | None = None):
+    """The compiled backward kernel (``triton.compiler.CompiledKernel``) for one variant, for sm90."""
+    cfg = cfg or HopperBackwardConfig()
+    constexprs = backward_constexprs(schedule, causal, group, even_s, cfg)
+    q_block = _descriptor(dtype, [1, cfg.block_m, head_dim])
+    kv_block = _descriptor(dtype, [1, cfg.block_n, head_dim])
+    signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "do_desc": q_block,
+                 "LSE": "*fp32", "DELTA": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}",
+                 "DQACC": "*fp32", "TICKETS": "*i32", "ERR": "*i32"}
+    signature.update({name: "i64" for name in ("stride_dkb", "stride_dkh", "stride_dkn",
+                                               "stride_dvb", "stride_dvh", "stride_dvn")})
+    signature.update({name: "i32" for name in ("HQ", "HKV", "L", "S", "n_q", "n_kv",
+                                               "items_per_head", "total_items")})
+    signature.update({"qk_scale": "fp32", "sm_scale": "fp32", "max_spin": "i32"})
+    signature.update({name: "constexpr" for name in constexprs})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
+             if kind.startswith("*")}
+    source = GluonASTSource(backward_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=SM90, options={"num_warps": cfg.num_warps})

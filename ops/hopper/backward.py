@@ -1,0 +1,307 @@
+"""Attention backward for Hopper (sm90) in Gluon: one warp-specialized, persistent kernel.
+
+Each CTA walks work items exactly like the portable kernel (ops/backward.py): an item owns one or
+two KV tiles of one (batch, KV head); for every query head of its GQA group the KV tile visits Q
+tiles in the schedule's order (ops/schedules.py, the same ``@triton.jit`` formulas). Three
+partitions share that walk, each doing one job (the split of FlashAttention-3's backward, Shah et
+al. 2024, and of DASH's dQ writer, Qiang et al. 2026):
+
+- ``_load_partition`` (1 warp): TMA loads of K and V per KV tile and of Q and dO per step, into
+  shared memory, through mbarrier rings.
+- ``_compute_partition`` (the default partition, two warpgroups): keeps dK and dV in registers,
+  computes S^T, P^T, dP^T, dS^T with wgmma, and hands each step's dQ partial to shared memory.
+- ``_dq_partition`` (1 warp): adds each dQ partial into the fp32 accumulator. Ordered schedules
+  wait for the partial's ticket (acquire), add, and release the ticket to the next rank, so the
+  sum of every dQ element runs in the schedule's fixed order while the compute warps go on.
+
+Queries sit along dim 1 of S^T (keys along dim 0), so dK and dV accumulate from registers, and
+dS^T goes through shared memory once to feed dQ = dS K.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                               warpgroup_mma, warpgroup_mma_wait)
+
+from .. import schedules as sch
+from ..backward import LOG2E
+
+_LOG2E = gl.constexpr(LOG2E)
+
+
+@gluon.jit
+def _red_add(ptrs, vals):
+    """Fire-and-forget fp32 adds, four contiguous elements per instruction (``red``, not ``atom``:
+    nothing comes back from L2). ``ptrs`` must hold 16-byte aligned runs of four."""
+    gl.inline_asm_elementwise(
+        "red.global.gpu.relaxed.add.v4.f32 [$4], {$8, $9, $10, $11};\n"
+        "mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;",
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r",
+        [ptrs.to(gl.int64, bitcast=True), vals.to(gl.int32, bitcast=True)], dtype=gl.int32,
+        is_pure=False, pack=4)
+
+
+@gluon.jit
+def _work_head(work, items_per_head, HKV):
+    """(batch, KV head, item) of a work item, heads major."""
+    head = work // items_per_head
+    return head // HKV, head % HKV, work % items_per_head
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem,
+                    q_ready, q_empty, kv_ready, kv_empty,
+                    HQ, HKV, n_q, n_kv, items_per_head, total_items,
+                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
+                    NUM_SLOTS: gl.constexpr):
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.shape[0]
+    NSUB: gl.constexpr = BLOCK_N // BLOCK_M
+    HEAD_D: gl.constexpr = k_smem.shape[1]
+    step_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    tile_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    it = 0
+    tile = 0
+    for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
+        b, hkv, item = _work_head(work, items_per_head, HKV)
+        for slot in range(NUM_SLOTS):
+            kv = sch.slot_kv_tile(item, slot, n_kv, CAUSAL, SCHEDULE)
+            if kv >= 0:
+                mbarrier.wait(kv_empty, (tile & 1) ^ 1)
+                mbarrier.expect(kv_ready, tile_bytes)
+                tma.async_copy_global_to_shared(k_desc, [b * HKV + hkv, kv * BLOCK_N, 0], kv_ready,
+                                                k_smem.reshape([1, BLOCK_N, HEAD_D]))
+                tma.async_copy_global_to_shared(v_desc, [b * HKV + hkv, kv * BLOCK_N, 0], kv_ready,
+                                                v_smem.reshape([1, BLOCK_N, HEAD_D]))
+                tile += 1
+                n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
+                for g in range(GROUP):
+                    bh = b * HQ + hkv * GROUP + g
+                    for step in range(n_steps):
+                        qt = sch.q_tile_at(step // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
+                        row = qt * BLOCK_N + (step % NSUB) * BLOCK_M
+                        s = it % STAGES
+                        mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
+                        bar = q_ready.index(s)
+                        mbarrier.expect(bar, step_bytes)
+                        tma.async_copy_global_to_shared(q_desc, [bh, row, 0], bar,
+                                                        q_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
+                        tma.async_copy_global_to_shared(do_desc, [bh, row, 0], bar,
+                                                        do_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
+                        it += 1
+
+
+@gluon.jit
+def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR,
+                  HQ, HKV, n_q, n_kv, items_per_head, total_items, max_spin,
+                  GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
+                  NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
+                  ORDERED: gl.constexpr, ROWS: gl.constexpr):
+    """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED."""
+    if not COMPUTE_DQ:
+        return
+    DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
+    BLOCK_M: gl.constexpr = dq_bufs.shape[1]
+    HEAD_D: gl.constexpr = dq_bufs.shape[2]
+    NSUB: gl.constexpr = BLOCK_N // BLOCK_M
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
+    offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+    l_pad = n_q * BLOCK_N
+    it = 0
+    for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
+        b, hkv, item = _work_head(work, items_per_head, HKV)
+        for slot in range(NUM_SLOTS):
+            kv = sch.slot_kv_tile(item, slot, n_kv, CAUSAL, SCHEDULE)
+            if kv >= 0:
+                n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
+                for g in range(GROUP):
+                    bh = b * HQ + hkv * GROUP + g
+                    for step in range(n_steps):
+                        qt = sch.q_tile_at(step // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
+                        sub = step % NSUB
+                        d = it % DQ_STAGES
+                        mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
+                        ticket = TICKETS + (bh * n_q + qt) * NSUB + sub
+                        if ORDERED:
+                            rank = sch.reduction_rank(qt, kv, n_q, n_kv, CAUSAL, SCHEDULE)
+                            seen = gl.atomic_add(ticket, 0, sem="acquire")
+                            spins = 0
+                            while (seen != rank) & (spins < max_spin):
+                                seen = gl.atomic_add(ticket, 0, sem="acquire")
+                                spins += 1
+                            gl.atomic_max(ERR, 1, mask=seen != rank)
+                        base = DQACC + (bh.to(gl.int64) * l_pad + qt * BLOCK_N + sub * BLOCK_M) * HEAD_D
+                        buf = dq_bufs.index(d)
+                        for r in gl.static_range(0, BLOCK_M, ROWS):
+                            vals = buf.slice(r, ROWS, dim=0).load(layout)
+                            ptrs = base + (r + offs_r)[:, None] * HEAD_D + offs_d[None, :]
+                            _red_add(ptrs, vals)
+                        mbarrier.arrive(dq_empty.index(d), count=1)
+                        if ORDERED:
+                            gl.thread_barrier()  # every lane's adds are issued before the release
+                            gl.atomic_add(ticket, 1, sem="release")
+                        it += 1
+
+
+@gluon.jit
+def _compute_partition(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_bufs,
+                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty,
+                       LSE, DELTA, DK, DV,
+                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                       HQ, HKV, L, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale,
+                       GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
+                       NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, EVEN_S: gl.constexpr,
+                       num_warps: gl.constexpr):
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.shape[0]
+    HEAD_D: gl.constexpr = k_smem.shape[1]
+    NSUB: gl.constexpr = BLOCK_N // BLOCK_M
+    DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
+    dtype: gl.constexpr = k_smem.dtype
+    # Keys along dim 0 of S^T, split over both warpgroups; dQ (BLOCK_M rows) splits its columns.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                        instr_shape=[16, HEAD_D // (num_warps // 4), 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
+    offs_kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    offs_kd = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
+    it = 0
+    tile = 0
+    for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
+        b, hkv, item = _work_head(work, items_per_head, HKV)
+        for slot in range(NUM_SLOTS):
+            kv = sch.slot_kv_tile(item, slot, n_kv, CAUSAL, SCHEDULE)
+            if kv >= 0:
+                cols = kv * BLOCK_N + offs_n
+                dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=kv_layout)
+                dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=kv_layout)
+                mbarrier.wait(kv_ready, tile & 1)
+                n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
+                for g in range(GROUP):
+                    bh = b * HQ + hkv * GROUP + g
+                    for step in range(n_steps):
+                        qt = sch.q_tile_at(step // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
+                        rows = qt * BLOCK_N + (step % NSUB) * BLOCK_M + offs_m
+                        s = it % STAGES
+                        q_s = q_bufs.index(s)
+                        do_s = do_bufs.index(s)
+                        in_rows = rows < L
+                        lse = gl.load(LSE + bh.to(gl.int64) * L + rows, mask=in_rows, other=float("-inf"))
+                        delta = gl.load(DELTA + bh.to(gl.int64) * L + rows, mask=in_rows, other=0.0)
+                        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+                        mbarrier.wait(q_ready.index(s), (it // STAGES) & 1)
+                        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+                        s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
+                                            is_async=True)
+                        dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
+                                             is_async=True)
+                        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+                        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+                        if CAUSAL:
+                            p_t = gl.where(gl.expand_dims(cols, 1) <= gl.expand_dims(rows, 0), p_t, 0.0)
+                        if not EVEN_S:
+                            p_t = gl.where(gl.expand_dims(cols, 1) < S, p_t, 0.0)
+                        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv,
+                                           is_async=True)
+                        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+                        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+                        if COMPUTE_DQ:
+                            # dQ first, so that handing it to the writer overlaps the dK MMA.
+                            ds_smem.store(ds_t)
+                            fence_async_shared()
+                            gl.thread_barrier()
+                            dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=dq_layout)
+                            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False,
+                                               is_async=True)
+                            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
+                            dq = warpgroup_mma_wait(1, deps=(dq, ))
+                            d = it % DQ_STAGES
+                            mbarrier.wait(dq_empty.index(d), ((it // DQ_STAGES) & 1) ^ 1)
+                            dq_bufs.index(d).store(dq * sm_scale)
+                            mbarrier.arrive(dq_ready.index(d), count=1)
+                        else:
+                            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
+                        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                        mbarrier.arrive(q_empty.index(s), count=1)
+                        it += 1
+                mbarrier.arrive(kv_empty, count=1)
+                tile += 1
+                keys = kv * BLOCK_N + offs_kn
+                in_keys = gl.expand_dims(keys < S, 1)
+                dk_ptrs = (DK + b.to(gl.int64) * stride_dkb + hkv.to(gl.int64) * stride_dkh
+                           + gl.expand_dims(keys, 1) * stride_dkn + gl.expand_dims(offs_kd, 0))
+                dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hkv.to(gl.int64) * stride_dvh
+                           + gl.expand_dims(keys, 1) * stride_dvn + gl.expand_dims(offs_kd, 0))
+                gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=in_keys)
+                gl.store(dv_ptrs, dv.to(dtype), mask=in_keys)
+
+
+@gluon.jit
+def backward_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQACC, TICKETS, ERR,
+                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                    HQ, HKV, L, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale, max_spin,
+                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
+                    NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, ORDERED: gl.constexpr,
+                    EVEN_S: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
+                    LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc."""
+    dtype: gl.constexpr = q_desc.dtype
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[2]
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    # 16-byte chunks XOR-swizzled by row: the MMA layout's stores (8 rows per warp) and the
+    # writer's row loads both hit distinct banks.
+    dq_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, HEAD_D], dq_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    dq_ready = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    for i in gl.static_range(DQ_STAGES):
+        mbarrier.init(dq_ready.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    mbarrier.init(kv_ready, count=1)
+    mbarrier.init(kv_empty, count=1)
+
+    gl.warp_specialize([
+        (_compute_partition, (q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_bufs,
+                              q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty,
+                              LSE, DELTA, DK, DV,
+                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                              HQ, HKV, L, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale,
+                              GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, num_warps)),
+        (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem,
+                           q_ready, q_empty, kv_ready, kv_empty,
+                           HQ, HKV, n_q, n_kv, items_per_head, total_items,
+                           GROUP, CAUSAL, SCHEDULE, NUM_SLOTS)),
+        (_dq_partition, (dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR,
+                         HQ, HKV, n_q, n_kv, items_per_head, total_items, max_spin,
+                         GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ, ORDERED, WRITER_ROWS)),
+    ], [1, 1], [LOAD_REGS, WRITER_REGS])

@@ -1,0 +1,50 @@
+"""What the Hopper kernels take, their tile configuration, and their compile-time arguments.
+
+One place for the constexprs of a launch, so that the GPU launcher and the offline sm90 compile
+(``ops/hopper/aot.py``, run by CI without a GPU) build exactly the same kernel variants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..catalog import get as get_schedule
+
+#: Head dims (E = Ev) the Hopper kernels are built for.
+HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class HopperBackwardConfig:
+    """Tile shape and partition sizes of the warp-specialized backward kernel.
+
+    ``block_n`` KV rows per tile (split over the two compute warpgroups), ``block_m`` query rows per
+    step; ``stages`` Q/dO buffers in flight; ``dq_stages`` dQ partials the compute warps may run
+    ahead of the dQ writer; registers per worker partition (setmaxnreg).
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    stages: int = 2
+    dq_stages: int = 2
+    writer_rows: int = 8
+    load_regs: int = 24
+    writer_regs: int = 48
+    num_warps: int = 8
+
+
+def backward_config(head_dim: int) -> HopperBackwardConfig:
+    """The static config for ``head_dim`` (never timing-dependent: docs/design.md)."""
+    del head_dim  # one config for both head dims until a measurement says otherwise
+    return HopperBackwardConfig()
+
+
+def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
+                        cfg: HopperBackwardConfig) -> dict[str, object]:
+    """The kernel's compile-time arguments for one launch."""
+    sched = get_schedule(schedule)
+    return dict(GROUP=group, CAUSAL=causal, SCHEDULE=sched.id, NUM_SLOTS=sched.slots(causal),
+                COMPUTE_DQ=not sched.separate_dq, ORDERED=sched.ordered, EVEN_S=even_s,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                DQ_STAGES=cfg.dq_stages, WRITER_ROWS=cfg.writer_rows, LOAD_REGS=cfg.load_regs,
+                WRITER_REGS=cfg.writer_regs, num_warps=cfg.num_warps)

@@ -1,0 +1,127 @@
+"""Host side of the Hopper backward: what it accepts, its buffers, descriptors and grid.
+
+The kernel reads Q, K, V and dO through rank-3 TMA descriptors over (batch * heads, rows, head dim),
+which needs each tensor's batch stride to be heads x its head stride (true for contiguous
+(B, H, L, D) tensors and for the (B, L, H, D) layout that transposed projections give), 16-byte
+aligned strides and base, and a contiguous last dim. Anything else goes to the portable kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .. import catalog
+from ..backward import LOG2E, compute_delta, launch_dq_pass
+from ..configs import backward_config as portable_backward_config
+from ..launch import raise_if_spin_exceeded, warn_once
+from .backward import backward_kernel
+from .config import HEAD_DIMS, HopperBackwardConfig, backward_config, backward_constexprs
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def _mergeable(t: torch.Tensor) -> bool:
+    """Whether (B, H, N, D) ``t`` is a rank-3 TMA view (B*H, N, D) with 16-byte aligned strides."""
+    b_stride, h_stride, n_stride, d_stride = t.stride()
+    size = t.element_size()
+    return (d_stride == 1 and (t.shape[0] == 1 or b_stride == t.shape[1] * h_stride)
+            and (h_stride * size) % 16 == 0 and (n_stride * size) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor | None, grad_out: torch.Tensor | None = None) -> str | None:
+    """Why the Hopper backward cannot take these inputs; None when it can."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "not an sm90 (Hopper) GPU"
+    if q.dtype not in _GL_DTYPES:
+        return f"dtype {q.dtype} (the Hopper kernels take float16 and bfloat16)"
+    if mask is not None:
+        return "an attn_mask (the Hopper kernels take is_causal or no mask)"
+    if q.shape[-1] != v.shape[-1] or q.shape[-1] not in HEAD_DIMS:
+        return f"head dims {q.shape[-1]}/{v.shape[-1]} (the Hopper kernels take E = Ev in {HEAD_DIMS})"
+    tensors = (q, k, v) if grad_out is None else (q, k, v, grad_out)
+    if not all(_mergeable(t) for t in tensors):
+        return "a stride layout that a (batch*heads, rows, dim) TMA view cannot read"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A rank-3 TMA descriptor over (B*H, N, D) for ``rows`` x D boxes."""
+    b, h, n, d = t.shape
+    view = t.as_strided((b * h, n, d), (t.stride(1), t.stride(2), 1))
+    block = [1, rows, d]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
+
+
+def _fit(schedule: catalog.Schedule, causal: bool, n_kv: int, capacity: int,
+         shape: str) -> tuple[catalog.Schedule, str | None]:
+    """A schedule whose waits need every item of a head resident falls back past ``capacity``."""
+    needed = schedule.items_per_head(n_kv, causal)
+    if not schedule.coresident_head or needed <= capacity:
+        return schedule, None
+    fallback = catalog.get(catalog.fallback(causal))
+    reason = (f"schedule {schedule.name!r} needs {needed} co-resident programs per head for "
+              f"{shape}, the GPU holds {capacity}; using {fallback.name!r} instead")
+    warn_once(f"dash attention backward: {reason}")
+    return fallback, reason
+
+
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                       dv: torch.Tensor, *, is_causal: bool, scale: float,
+                       schedule: catalog.Schedule, max_spin: int,
+                       cfg: HopperBackwardConfig | None = None
+                       ) -> tuple[catalog.Schedule, str | None, tuple[int, ...], HopperBackwardConfig]:
+    """Write dq, dk, dv with the Hopper kernel; return (schedule run, fallback reason, grid, config).
+
+    The caller checked :func:`unsupported_reason`. One CTA per SM (its shared memory takes the
+    SM), so a grid of at most the SM count is co-resident and the ordered waits cannot hang.
+    """
+    batch, hq, seq_q, head_d = q.shape
+    hkv, seq_k = k.shape[1], k.shape[2]
+    cfg = cfg or backward_config(head_d)
+    n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
+    capacity = _sm_count(q.device.index or 0)
+    shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
+    schedule, reason = _fit(schedule, is_causal, n_kv, capacity, shape)
+    delta = compute_delta(out, grad_out)
+    per_head = schedule.items_per_head(n_kv, is_causal)
+    total_items = batch * hkv * per_head
+    grid = (min(total_items, capacity),)
+    nsub = cfg.block_n // cfg.block_m
+    dq_acc = delta
+    if not schedule.separate_dq:
+        dq_acc = torch.zeros((batch * hq, n_q * cfg.block_n, head_d), device=q.device,
+                             dtype=torch.float32)
+    tickets = torch.zeros((batch * hq * n_q * nsub,), device=q.device, dtype=torch.int32)
+    error_flag = torch.zeros((1,), device=q.device, dtype=torch.int32)
+    constexprs = backward_constexprs(schedule.name, is_causal, hq // hkv, seq_k % cfg.block_n == 0, cfg)
+    backward_kernel[grid](
+        _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+        _descriptor(grad_out, cfg.block_m), lse, delta, dk, dv, dq_acc, tickets, error_flag,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        hq, hkv, seq_q, seq_k, n_q, n_kv, per_head, total_items, scale * LOG2E, scale, max_spin,
+        **constexprs)
+    if is_causal and seq_k > n_q * cfg.block_n:
+        dk[:, :, n_q * cfg.block_n:].zero_()
+        dv[:, :, n_q * cfg.block_n:].zero_()
+    if schedule.separate_dq:
+        launch_dq_pass(q, k, v, grad_out, lse, delta, None, dq, is_causal=is_causal, scale=scale,
+                       cfg=portable_backward_config(head_d, q.dtype, is_causal, 9))
+    else:
+        dq.copy_(dq_acc.view(batch, hq, n_q * cfg.block_n, head_d)[:, :, :seq_q])
+    if schedule.ordered and not torch.cuda.is_current_stream_capturing():
+        raise_if_spin_exceeded(error_flag, f"{shape}, schedule {schedule.name!r}")
+    return schedule, reason, grid, cfg
