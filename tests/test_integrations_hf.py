@@ -129,3 +129,17 @@ def test_after_import_runs_once_when_the_module_is_imported(tmp_path, monkeypatc
         assert seen == [42, -1]
     finally:
         sys.modules.pop(name, None)
+
+
+def test_example_reproduces_on_the_paths_cpu_runs(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "train_tiny_qwen2.py"
+    spec = importlib.util.spec_from_file_location("train_tiny_qwen2", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--device", "cpu", "--steps", "2", "--paths", "hf", "provider"]) == 0
+    printed = capsys.readouterr().out
+    assert "hf: two runs bit-identical: True; {'hf dash': 8}" in printed
+    assert "provider: skipped" in printed
