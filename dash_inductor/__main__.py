@@ -21,7 +21,9 @@ def _parser() -> argparse.ArgumentParser:
                                      description="Fast, bitwise-reproducible attention for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
-        "demo", help="train a small GPT twice under torch.compile and determinism; compare the bits")
+        "demo", help="train a small GPT under torch.compile, twice per way: on a GPU with "
+                     "determinism off, with SDPA under determinism and with dash (bits and step "
+                     "times), on a CPU with dash (the rewrite and the bits)")
     for name in DEMO_SIZE_FLAGS:
         demo.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                           help=f"default {getattr(DemoConfig, name)} on CPU, "
@@ -85,7 +87,8 @@ def _bench(bench_args: Sequence[str]) -> int:
 
 
 def info_lines() -> list[str]:
-    """What ``info`` prints: versions, device, config, kernels and schedules."""
+    """What ``info`` prints: versions, device, config, kernels, schedules, and in a running
+    process the plans of the latest forward and backward launches."""
     import torch
 
     import dash_inductor
@@ -106,12 +109,15 @@ def info_lines() -> list[str]:
                         f"{os.environ.get('TRITON_INTERPRET', 'unset')})")
     lines.append(f"kernels: {kernels}; {_ops_status()}")
     options = ", ".join(f"{name}={config.get(name)!r}"
-                        for name in ("schedule", "cpu_backend", "rewrite", "max_spin"))
+                        for name in (*config.CHOICES, "rewrite"))
     lines.append(f"config: {options}")
     lines.append(f"schedules: {', '.join(config.SCHEDULES)} "
                  f"(deterministic: {', '.join(config.DETERMINISTIC_SCHEDULES)})")
     lines.append(f"rewrite: {_rewrite_status()}; deterministic algorithms now "
                  f"{'on' if torch.are_deterministic_algorithms_enabled() else 'off'}")
+    from dash_inductor.library import last_plans
+
+    lines += [f"last launch: {plan}" for plan in last_plans()[-2:]]
     return lines
 
 

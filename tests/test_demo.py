@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 
 from dash_inductor import __main__ as cli
 from dash_inductor import demo as demo_module
-from dash_inductor.demo import DemoConfig, demo, differing_tensors, train
+from dash_inductor.demo import (DemoConfig, Run, Variant, demo, differing_tensors, render_table,
+                                train, verdict)
 
 TINY = DemoConfig(layers=2, d_model=32, heads=4, seq=24, batch=2, steps=3, seed=3)
 
@@ -30,6 +32,43 @@ def test_demo_rewrites_every_attention_and_reproduces_the_bits(tiny_result) -> N
     assert any("bit-identical" in line for line in lines)
     for name, tensor in result.runs[0].state.items():
         assert torch.equal(tensor, result.runs[1].state[name]), name
+
+
+def test_demo_on_cpu_says_sdpa_is_already_reproducible(tiny_result) -> None:
+    result, lines = tiny_result
+    text = "\n".join(lines)
+    assert "SDPA is already reproducible" in text
+    assert f"rewritten to dash.attention: {TINY.layers} of the model's {TINY.layers}" in text
+    assert [v.name for v in result.variants] == ["dash, determinism on"]  # no GPU comparison
+    assert result.step_ms == {}
+
+
+def test_demo_fails_when_the_rewrite_does_not_fire(tiny_result) -> None:
+    """CPU SDPA alone gives bit-identical runs too: without dash.attention the demo must fail."""
+    result, _ = tiny_result
+    without = dataclasses.replace(result, rewritten=0, sites=[])
+    assert not without.differing and without.exit_code == 1
+    lines = verdict(without)
+    assert lines[1].startswith(f"FAIL: the rewrite replaced 0 of {TINY.layers} attention calls")
+    assert not any(line.startswith("OK") for line in lines)
+    assert verdict(result)[-1].startswith("OK: dash ran every attention call")
+
+
+def _variant(name: str, deterministic: bool, step_s: float, differing: list[str]) -> Variant:
+    run = Run(losses=[1.0], state={"w": torch.zeros(1), "b": torch.zeros(1)},
+              step_seconds=[9.0, 9.0, step_s, step_s])
+    return Variant(name, deterministic, "off", [run, run], differing)
+
+
+def test_gpu_table_shows_bits_and_step_time_against_determinism_off() -> None:
+    lines = render_table([_variant("determinism off", False, 0.050, ["w"]),
+                          _variant("SDPA, determinism on", True, 0.065, []),
+                          _variant("dash, determinism on", True, 0.055, [])])
+    assert len(lines) == 4
+    off, sdpa, dash = lines[1:]
+    assert "differ (1 of 2 tensors)" in off and "50.00 ms" in off and "1.00x" in off
+    assert "identical" in sdpa and "65.00 ms" in sdpa and "1.30x" in sdpa
+    assert "identical" in dash and "55.00 ms" in dash and "1.10x" in dash
 
 
 def test_demo_training_matches_eager_sdpa(tiny_result) -> None:
@@ -79,7 +118,8 @@ def test_info_reports_versions_config_and_schedules(capsys) -> None:
     text = capsys.readouterr().out
     assert f"torch {torch.__version__}" in text
     assert "schedule='auto'" in text and "shift" in text and "recompute" in text
-    assert "dash_inductor.ops provides attention_forward, attention_backward" in text
+    assert "dash_inductor.ops provides" in text
+    assert "attention_forward" in text and "attention_backward" in text
 
 
 def test_bench_without_a_checkout_says_how(monkeypatch, capsys) -> None:
