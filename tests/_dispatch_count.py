@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 DASH_OPS = ("dash.attention.default", "dash.attention_backward.default")
@@ -30,5 +29,3 @@ def sdpa_free(counter: OpCounter) -> bool:
     """Whether no PyTorch attention kernel ran (only dash's ops)."""
     return all(name in DASH_OPS for name in counter.attention_ops())
 
-
-__all__ = ["DASH_OPS", "OpCounter", "sdpa_free", "torch"]
