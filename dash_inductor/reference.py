@@ -36,16 +36,25 @@ def _kv_for_query_heads(t: Tensor, n_query_heads: int) -> Tensor:
 
 def _scores(q: Tensor, k_block: Tensor, mask: Tensor | None, is_causal: bool, scale: float,
             start: int) -> Tensor:
-    """Scaled scores of all queries against keys [start, start + block), with masking applied."""
+    """Scaled scores of all queries against keys [start, start + block), with masking applied.
+
+    Boolean and causal masks are *added* as -inf, as SDPA's math backend does, so a NaN or +inf
+    score at a masked key stays NaN instead of being hidden.
+    """
     s = torch.matmul(q, k_block.transpose(-1, -2)) * scale
     if mask is not None:
         m = mask[..., start:start + k_block.shape[-2]]
-        s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.to(s.dtype)
+        s = s + (_masked_as_minus_inf(~m, s.dtype) if m.dtype == torch.bool else m.to(s.dtype))
     if is_causal:
         rows = torch.arange(q.shape[-2], device=q.device)[:, None]
         cols = torch.arange(start, start + k_block.shape[-2], device=q.device)[None, :]
-        s = s.masked_fill(cols > rows, -math.inf)
+        s = s + _masked_as_minus_inf(cols > rows, s.dtype)
     return s
+
+
+def _masked_as_minus_inf(masked: Tensor, dtype: torch.dtype) -> Tensor:
+    """-inf where ``masked``, 0 elsewhere: the additive form of a boolean mask."""
+    return torch.zeros((), dtype=dtype, device=masked.device).masked_fill(masked, -math.inf)
 
 
 def _expand_mask(mask: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
@@ -56,7 +65,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
                       scale: float) -> tuple[Tensor, Tensor]:
     """Returns ``out`` (B, Hq, L, Ev) in q's dtype and ``lse`` (B, Hq, L) in the accumulation dtype.
 
-    Rows that see no key get ``out = 0`` and ``lse = -inf``, as SDPA's math backend does.
+    Rows that see no key get ``lse = -inf`` and ``out = 0 @ v``: zero, or NaN where ``v`` holds a
+    NaN or inf, as SDPA's math backend gives. A NaN or +inf score (masked or not) makes its row's
+    softmax NaN, as in SDPA's; ``out`` and ``lse`` are NaN there, and the backward follows.
     """
     acc = accumulation_dtype(q.dtype)
     b, h, l, _ = q.shape
@@ -70,21 +81,24 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
         s = _scores(qa, ka[:, :, start:start + BLOCK], mask, is_causal, scale, start)
         new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
         # Rows that have seen no key yet keep a -inf maximum; shift them by 0 instead (no NaN).
-        shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+        # A +inf maximum stays: inf - inf makes the row NaN, as in SDPA's softmax.
+        shift = torch.where(new_max == -math.inf, torch.zeros_like(new_max), new_max)
         p = torch.exp(s - shift)
         correction = torch.exp(row_max - shift)
         row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
         out = out * correction + torch.matmul(p, va[:, :, start:start + BLOCK])
         row_max = new_max
-    seen = row_sum > 0
-    out = torch.where(seen, out / torch.where(seen, row_sum, torch.ones_like(row_sum)), 0.0)
-    lse = torch.where(seen, row_max + torch.log(row_sum), -math.inf).squeeze(-1)
+    # Only a row that saw no key has row_sum == 0 (NaN is not 0: NaN rows stay NaN); its
+    # row_max + log(row_sum) is -inf.
+    out = out / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
+    lse = (row_max + torch.log(row_sum)).squeeze(-1)
     return out.to(q.dtype), lse
 
 
 def _probabilities(s: Tensor, lse: Tensor) -> Tensor:
-    """exp(s - lse) with rows of lse = -inf (no key seen) giving probability 0, not NaN."""
-    safe = torch.where(torch.isinf(lse), torch.full_like(lse, math.inf), lse)
+    """exp(s - lse) with rows of lse = -inf (no key seen) giving probability 0, not NaN; rows
+    of lse = NaN (a NaN or +inf score) give NaN, as SDPA's softmax does."""
+    safe = torch.where(lse == -math.inf, math.inf, lse)
     return torch.exp(s - safe[..., None])
 
 

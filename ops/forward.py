@@ -98,7 +98,7 @@ def _attention_forward_kernel(
         acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptr, start_n, offs_n, S,
                                      stride_vn, stride_ve, True, EV, HEAD_EV, PRECISION)
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # 0 only where no key was seen; NaN (a NaN or +inf score) stays NaN
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))

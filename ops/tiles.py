@@ -53,7 +53,7 @@ def masked_scores(q, k, rows, cols, L, S, qk_scale, MASK, stride_mm, stride_mn,
     if MASK_KIND == 1:
         keep = tl.load(MASK + rows[:, None] * stride_mm + cols[None, :] * stride_mn,
                        mask=(rows[:, None] < L) & (cols[None, :] < S), other=0)
-        s = tl.where(keep != 0, s, float("-inf"))
+        s = s + tl.where(keep != 0, 0.0, float("-inf"))  # added, as SDPA: NaN stays NaN
     if MASK_KIND == 2:
         add = tl.load(MASK + rows[:, None] * stride_mm + cols[None, :] * stride_mn,
                       mask=(rows[:, None] < L) & (cols[None, :] < S), other=0.0)
