@@ -6,13 +6,18 @@ cubin on a CPU-only machine; a kernel variant that no longer compiles fails ther
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from .backward import backward_kernel
-from .config import HopperBackwardConfig, backward_constexprs
+from ..catalog import NAMES
+from .config import HEAD_DIMS, HopperBackwardConfig, backward_constexprs
 
 SM90 = GPUTarget("cuda", 90, 32)
 _GL_DTYPES = {"bf16": gl.bfloat16, "fp16": gl.float16}
@@ -43,3 +48,38 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
              if kind.startswith("*")}
     source = GluonASTSource(backward_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=SM90, options={"num_warps": cfg.num_warps})
+
+
+_PTX_FEATURES = {
+    "wgmma": r"wgmma\.mma_async",
+    "tma_loads": r"cp\.async\.bulk\.tensor\.3d",
+    "setmaxnreg_inc": r"setmaxnreg\.inc",
+    "setmaxnreg_dec": r"setmaxnreg\.dec",
+    "dq_adds": r"red\.global\.gpu\.relaxed\.add\.v4\.f32",
+    "ticket_release": r"(?:atom|red)\.global\.gpu\.release\.add",
+}
+
+
+def summary(compiled) -> dict[str, int]:
+    """Counts of the PTX instructions the design relies on, plus shared memory and cubin size."""
+    ptx = compiled.asm["ptx"]
+    counts = {name: len(re.findall(pattern, ptx)) for name, pattern in _PTX_FEATURES.items()}
+    return {**counts, "shared": compiled.metadata.shared, "cubin_bytes": len(compiled.asm["cubin"])}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Compile every backward variant of one dtype; print one JSON line per variant."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--dtype", choices=sorted(_GL_DTYPES), required=True)
+    args = parser.parse_args(argv)
+    for head_dim in HEAD_DIMS:
+        for schedule in NAMES:
+            for causal in (False, True):
+                compiled = compile_backward(args.dtype, head_dim, schedule, causal,
+                                            group=2 if causal else 1, even_s=not causal)
+                key = dict(dtype=args.dtype, head_dim=head_dim, schedule=schedule, causal=causal)
+                print(json.dumps({**key, **summary(compiled)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -29,6 +29,10 @@ from .. import schedules as sch
 from ..backward import LOG2E
 
 _LOG2E = gl.constexpr(LOG2E)
+#: A barrier over the calling partition's warps (``thread_barrier`` until Triton 3.6, ``barrier`` after).
+_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+#: TMA global-to-shared copy (``async_copy_global_to_shared`` until Triton 3.6, ``async_load`` after).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -72,9 +76,9 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_
             if kv >= 0:
                 mbarrier.wait(kv_empty, (tile & 1) ^ 1)
                 mbarrier.expect(kv_ready, tile_bytes)
-                tma.async_copy_global_to_shared(k_desc, [b * HKV + hkv, kv * BLOCK_N, 0], kv_ready,
+                _tma_load(k_desc, [b * HKV + hkv, kv * BLOCK_N, 0], kv_ready,
                                                 k_smem.reshape([1, BLOCK_N, HEAD_D]))
-                tma.async_copy_global_to_shared(v_desc, [b * HKV + hkv, kv * BLOCK_N, 0], kv_ready,
+                _tma_load(v_desc, [b * HKV + hkv, kv * BLOCK_N, 0], kv_ready,
                                                 v_smem.reshape([1, BLOCK_N, HEAD_D]))
                 tile += 1
                 n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
@@ -87,9 +91,9 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_
                         mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
                         bar = q_ready.index(s)
                         mbarrier.expect(bar, step_bytes)
-                        tma.async_copy_global_to_shared(q_desc, [bh, row, 0], bar,
+                        _tma_load(q_desc, [bh, row, 0], bar,
                                                         q_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
-                        tma.async_copy_global_to_shared(do_desc, [bh, row, 0], bar,
+                        _tma_load(do_desc, [bh, row, 0], bar,
                                                         do_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
                         it += 1
 
@@ -107,7 +111,9 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR,
     BLOCK_M: gl.constexpr = dq_bufs.shape[1]
     HEAD_D: gl.constexpr = dq_bufs.shape[2]
     NSUB: gl.constexpr = BLOCK_N // BLOCK_M
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
+    # Four contiguous floats per lane and no lane holding another's elements (the adds are raw
+    # ``red`` instructions: a replicated element would be added twice).
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // HEAD_D, HEAD_D // 4], [1, 1], [1, 0])
     offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
     l_pad = n_q * BLOCK_N
@@ -142,7 +148,7 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR,
                             _red_add(ptrs, vals)
                         mbarrier.arrive(dq_empty.index(d), count=1)
                         if ORDERED:
-                            gl.thread_barrier()  # every lane's adds are issued before the release
+                            _partition_barrier()  # every lane's adds are issued before the release
                             gl.atomic_add(ticket, 1, sem="release")
                         it += 1
 
@@ -222,7 +228,7 @@ def _compute_partition(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                             # dQ first, so that handing it to the writer overlaps the dK MMA.
                             ds_smem.store(ds_t)
                             fence_async_shared()
-                            gl.thread_barrier()
+                            _partition_barrier()
                             dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=dq_layout)
                             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False,
                                                is_async=True)
