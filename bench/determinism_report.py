@@ -40,6 +40,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import dash_inductor  # noqa: E402
 from dash_inductor import config  # noqa: E402
+from dash_inductor.ops import catalog  # noqa: E402
 from dash_inductor.pytest_plugin import deterministic_algorithms_mode  # noqa: E402
 from dash_inductor.testing import (  # noqa: E402
     AttentionInputs,
@@ -71,7 +72,7 @@ SMOKE: dict[str, AttentionProblem] = {
     "bf16 d16 bool mask L=17 S=40, views": AttentionProblem(
         2, 2, 2, 17, 40, 16, 16, BF16, mask="bool", masked_rows=(3,), layout="transposed"),
 }
-DETERMINISTIC = config.DETERMINISTIC_SCHEDULES
+DETERMINISTIC = catalog.DETERMINISTIC
 #: Where the negative controls look for non-determinism: many KV tiles per Q tile.
 CONTROL_PROBLEMS = [AttentionProblem(4, 16, 16, 4096, 4096, 128, 128, BF16),
                     AttentionProblem(2, 16, 16, 4096, 4096, 64, 64, BF16, is_causal=True),

@@ -26,9 +26,9 @@ import triton
 from triton.testing import do_bench
 
 from dash_inductor.ops import attention_backward, attention_forward
+from dash_inductor.ops.catalog import NAMES as SCHEDULES
+from dash_inductor.ops.catalog import ORDERED
 from dash_inductor.ops.configs import BackwardConfig, ForwardConfig
-
-SCHEDULES = ("atomic", "recompute", "ascending", "descending", "shift")
 
 
 def inputs(batch, heads, seq, dim, kv_heads=None, dtype=torch.bfloat16, seed=0):
@@ -49,9 +49,9 @@ def forward(q, k, v, causal, config=None):
 
 def backward(q, k, v, do, out, lse, causal, schedule, config=None):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    used = attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
+    plan = attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
                               scale=q.shape[-1] ** -0.5, schedule=schedule, config=config)
-    return used, (dq, dk, dv)
+    return plan.schedule, (dq, dk, dv)
 
 
 def sdpa(q, k, v, do, causal, dtype, backend=None):
@@ -182,7 +182,7 @@ def tune(report, dims, seqs):
                         row[f"recompute {name}"] = round(tflops(ms, b, h, n, d, causal, True), 1)
                     except Exception as exc:  # out of resources: record and go on
                         row[f"recompute {name}"] = str(exc)[:60]
-                for schedule in ("atomic", "shift", "descending", "ascending"):
+                for schedule in ("atomic", *ORDERED):
                     used = backward(q, k, v, do, out, lse, causal, schedule)[0]
                     ms = do_bench(lambda: backward(q, k, v, do, out, lse, causal, schedule),
                                   return_mode="median")

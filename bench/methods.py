@@ -20,13 +20,15 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 import dash_inductor  # noqa: E402
+from dash_inductor.library import last_plans  # noqa: E402
+from dash_inductor.ops import catalog  # noqa: E402
 
 TOKENS = 16384  #: B * N of every grid problem
 WIDTH = 2048  #: H * D of every grid problem
 SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 GQA_SEQS = (4096, 8192)
 GQA_GROUP = 4
-SCHEDULES = ("ascending", "descending", "shift", "recompute", "atomic")
+SCHEDULES = catalog.NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +124,7 @@ SDPA_OFF = Method("sdpa_off", "SDPA, determinism off", False)
 SDPA_ON = Method("sdpa_on", "SDPA, determinism on", True)
 FLEX = Method("flex", "FlexAttention (compiled)", False)
 BASELINES = (SDPA_OFF, SDPA_ON, FLEX)
-DASH = tuple(Method(f"dash_{s}", f"dash {s}", s != "atomic", s) for s in SCHEDULES)
+DASH = tuple(Method(f"dash_{s}", f"dash {s}", catalog.get(s).deterministic, s) for s in SCHEDULES)
 METHODS = BASELINES + DASH
 DASH_AUTO = Method("dash_auto", "dash (auto schedule)", True, "auto")
 
@@ -239,25 +241,10 @@ def prepare(method: Method, problem: Problem, inputs: tuple[Tensor, Tensor, Tens
         finally:
             for t in (q, k, v):
                 t.grad = None
-        if method.is_dash:
-            prepared.backend = dash_schedule_used(method.schedule or "auto", problem, inputs)
+        if method.is_dash:  # the plan of the backward that just ran
+            prepared.backend = last_plans()[-1].schedule
         return prepared
     raise RuntimeError("; ".join(errors))
-
-
-def dash_schedule_used(schedule: str, problem: Problem,
-                       inputs: tuple[Tensor, Tensor, Tensor, Tensor]) -> str:
-    """The schedule dash's backward launcher actually runs for this problem (after any fallback)."""
-    from dash_inductor import ops
-
-    q, k, v, grad_out = (t.detach() for t in inputs)
-    out, lse = torch.ops.dash.attention(q, k, v, is_causal=problem.causal,
-                                        enable_gqa=problem.group > 1)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    with determinism(schedule != "atomic"):
-        return ops.attention_backward(grad_out, q, k, v, out, lse, None, dq, dk, dv,
-                                      is_causal=problem.causal, scale=problem.head_dim ** -0.5,
-                                      schedule=schedule)
 
 
 @dataclasses.dataclass(frozen=True)

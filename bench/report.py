@@ -7,7 +7,7 @@ from typing import Any
 
 import methods as m
 
-ORDERED = ("ascending", "descending", "shift")
+from dash_inductor.ops.catalog import DETERMINISTIC, ORDERED  # noqa: F401  (run.py reads ORDERED)
 
 
 def _fmt(value: float | None, digits: int = 0) -> str:
@@ -73,7 +73,7 @@ def _price_table(problems, methods, cell):
 
 
 def _model_table(problems, methods, cell):
-    modelled = [x for x in methods if x.removeprefix("dash_") in ORDERED + ("recompute",)]
+    modelled = [x for x in methods if x.removeprefix("dash_") in DETERMINISTIC]
     header = ["problem", "auto picks"] + [x.removeprefix("dash_") for x in modelled]
     body = []
     for p in problems:
@@ -169,7 +169,7 @@ def _plot_price(dense, configs, directory: Path, plt) -> Path:
     atomic = {(r["head_dim"], r["causal"], r["seq"]): r["backward_ms"] for r in dense
               if r["method"] == "dash_atomic"}
     for ax, (head_dim, causal) in zip(axes, configs):
-        for schedule in ORDERED + ("recompute",):
+        for schedule in DETERMINISTIC:
             points = sorted((r["seq"], r["backward_ms"] / atomic[(head_dim, causal, r["seq"])])
                             for r in dense if r["method"] == f"dash_{schedule}"
                             and r["head_dim"] == head_dim and r["causal"] == causal

@@ -1,7 +1,9 @@
 """Runtime knobs of dash_inductor, read at call time (not at import time).
 
 Change them by assignment (``dash_inductor.config.schedule = "shift"``) or, scoped, with
-``dash_inductor.config.patch(schedule="shift")`` as a context manager.
+``dash_inductor.config.patch(schedule="shift")`` as a context manager. The knobs that decide the
+backward (``CHOICES``) are captured when the forward runs: ``dash_inductor.attention`` passes them
+to the op, and the Inductor pass bakes the values in force at compile time into the graph.
 """
 
 from __future__ import annotations
@@ -10,9 +12,14 @@ import contextlib
 import sys
 from typing import Iterator
 
-#: Backward schedule on CUDA. "auto" picks a deterministic schedule from a static rule
-#: (``dash_inductor.ops.configs.auto_schedule``); the others are listed in ``SCHEDULES``.
-schedule: str = "auto"
+from dash_inductor.ops import catalog
+
+#: Backward schedule. "auto" lets the launcher pick (``dash_inductor.ops.configs.auto_schedule``,
+#: today always "recompute"); the others are listed in ``SCHEDULES``.
+schedule: str = catalog.AUTO
+
+#: Kernel path on CUDA: "auto" (the launcher picks), "portable" (the ``tl`` kernels) or "hopper".
+kernel: str = "auto"
 
 #: What runs the op on CPU: "reference" (the blocked PyTorch implementation) or "triton"
 #: (the Triton kernels, which on CPU only run under ``TRITON_INTERPRET=1``; for tests).
@@ -26,12 +33,17 @@ rewrite: str = "deterministic"
 #: flag and the launcher raises, instead of hanging. Tests lower it to force that path.
 max_spin: int = 1 << 26
 
-SCHEDULES = ("auto", "ascending", "descending", "shift", "recompute", "atomic")
-DETERMINISTIC_SCHEDULES = ("ascending", "descending", "shift", "recompute")
+SCHEDULES = (catalog.AUTO, *catalog.NAMES)
+DETERMINISTIC_SCHEDULES = catalog.DETERMINISTIC
+KERNELS = catalog.KERNELS
 CPU_BACKENDS = ("reference", "triton")
 REWRITE_MODES = ("deterministic", "always", "off")
+#: The options that change the backward's bits or path: the ``dash::`` ops' last arguments, in
+#: this order (the ops name the last one ``kernel_path``).
+CHOICES = ("schedule", "max_spin", "cpu_backend", "kernel")
 
-_CHOICES = {"schedule": SCHEDULES, "cpu_backend": CPU_BACKENDS, "rewrite": REWRITE_MODES}
+_CHOICES = {"schedule": SCHEDULES, "cpu_backend": CPU_BACKENDS, "rewrite": REWRITE_MODES,
+            "kernel": KERNELS}
 
 
 def _check(name: str, value: object) -> None:
@@ -67,3 +79,15 @@ def patch(**options: object) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+
+
+def choices(**overrides: object) -> dict[str, object]:
+    """The op arguments named by ``CHOICES``: the config now, except ``overrides`` that are not None."""
+    values = {name: get(name) for name in CHOICES}
+    for name, value in overrides.items():
+        if name not in CHOICES:
+            raise AttributeError(f"{name!r} is not one of the op's choices {CHOICES}")
+        if value is not None:
+            _check(name, value)
+            values[name] = value
+    return values

@@ -7,12 +7,20 @@ so that AOTAutograd and Inductor see three opaque, deterministic ops. Kernels by
 
 - CUDA: the Triton kernels of ``dash_inductor.ops`` for float16/bfloat16/float32; float64 and the
   mask gradient run the blocked PyTorch reference on the GPU (same semantics, deterministic, slower).
-- CPU: ``reference.py``, or with ``config.cpu_backend = "triton"`` the Triton kernels through the
+- CPU: ``reference.py``, or with ``cpu_backend="triton"`` the Triton kernels through the
   Triton interpreter (for tests; float64 stays on the reference).
+
+Every choice that changes the backward's bits or path (``config.CHOICES``: schedule, max_spin,
+cpu_backend, kernel, in that order after SDPA's arguments; the op calls the last one
+``kernel_path``, as Inductor's fallback kernels reserve ``kernel``) is an argument of both ops, so
+it is captured when the forward runs and saved for the backward: ``attention`` fills them from
+the config in force at the call, the Inductor pass from the config in force at compile time. What each launch ran is kept in ``last_plans()``.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import math
 import warnings
 
@@ -20,15 +28,34 @@ import torch
 from torch import Tensor
 
 from . import config, reference
+from .ops import catalog
+from .ops.plan import Plan
 from .shapes import Canonical, canonicalize, empty_like_layout
 
+log = logging.getLogger("dash_inductor")
+#: The latest launches' plans, newest last (host-side values only: recording never syncs).
+_PLANS: collections.deque[Plan] = collections.deque(maxlen=16)
+_LOGGED: set[Plan] = set()
 
-def _uses_triton(t: Tensor) -> bool:
+
+def _record(plan: Plan) -> None:
+    _PLANS.append(plan)
+    if plan not in _LOGGED:
+        _LOGGED.add(plan)
+        log.debug("dash_inductor: %s", plan)
+
+
+def last_plans() -> list[Plan]:
+    """What the latest forward and backward launches ran (schedule, kernel path, fallback, grid)."""
+    return list(_PLANS)
+
+
+def _uses_triton(t: Tensor, cpu_backend: str) -> bool:
     if t.dtype == torch.float64:
         return False
     if t.device.type == "cuda":
         return True
-    return t.device.type == "cpu" and config.get("cpu_backend") == "triton"
+    return t.device.type == "cpu" and cpu_backend == "triton"
 
 
 def _ops():
@@ -38,15 +65,22 @@ def _ops():
     return ops
 
 
-def _schedule() -> str:
-    schedule = str(config.get("schedule"))
-    if schedule == "atomic" and torch.are_deterministic_algorithms_enabled():
-        message = ("dash.attention backward with dash_inductor.config.schedule='atomic' adds dQ "
-                   "with unordered atomics and is not deterministic; use 'auto' or another schedule")
+def _check_choices(schedule: str, max_spin: int, cpu_backend: str, kernel_path: str) -> None:
+    config.choices(schedule=schedule, max_spin=max_spin, cpu_backend=cpu_backend,
+                   kernel=kernel_path)
+
+
+def check_schedule_allowed(q: Tensor, schedule: str, cpu_backend: str) -> None:
+    """Refuse (or, warn-only, warn about) a non-deterministic backward under deterministic
+    algorithms, when the forward runs, as PyTorch does for its own non-deterministic ops."""
+    if schedule == catalog.AUTO or catalog.get(schedule).deterministic:
+        return
+    if _uses_triton(q, cpu_backend) and torch.are_deterministic_algorithms_enabled():
+        message = (f"dash.attention with schedule={schedule!r} adds dQ with unordered atomics in "
+                   f"the backward and is not deterministic; use 'auto' or another schedule")
         if not torch.is_deterministic_algorithms_warn_only_enabled():
             raise RuntimeError(message)
         warnings.warn(message, UserWarning, stacklevel=3)
-    return schedule
 
 
 def _allocate_forward(c: Canonical) -> tuple[Tensor, Tensor]:
@@ -72,70 +106,88 @@ def _as_canonical_out(c: Canonical, t: Tensor) -> Tensor:
     return t.unsqueeze(0) if c.three_d else t
 
 
+_MAX_SPIN = 1 << 26  # the op's default; config.max_spin's default
+
+
 @torch.library.custom_op("dash::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
-                 is_causal: bool = False, scale: float | None = None,
-                 enable_gqa: bool = False) -> tuple[Tensor, Tensor]:
+                 is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                 schedule: str = "auto", max_spin: int = _MAX_SPIN, cpu_backend: str = "reference",
+                 kernel_path: str = "auto") -> tuple[Tensor, Tensor]:
     raise NotImplementedError(f"dash.attention has no kernel for device {q.device.type!r}; "
                               f"supported: cpu, cuda")
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+def _attention_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+                    schedule="auto", max_spin=_MAX_SPIN, cpu_backend="reference",
+                    kernel_path="auto"):
+    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
     c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     out, lse = _allocate_forward(c)
     return c.squeeze(out), c.squeeze(lse)
 
 
 @attention_op.register_kernel(("cpu", "cuda"))
-def _attention_kernel(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+def _attention_kernel(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+                      schedule="auto", max_spin=_MAX_SPIN, cpu_backend="reference",
+                      kernel_path="auto"):
+    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
     c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     out, lse = _allocate_forward(c)
     if out.numel() == 0 or c.k.shape[2] == 0:
         out.zero_()
         lse.fill_(-math.inf)
-    elif _uses_triton(q):
-        _ops().attention_forward(c.q, c.k, c.v, c.mask, out, lse, is_causal=c.is_causal,
-                                 scale=c.scale)
+    elif _uses_triton(q, cpu_backend):
+        _record(_ops().attention_forward(c.q, c.k, c.v, c.mask, out, lse, is_causal=c.is_causal,
+                                         scale=c.scale, kernel=kernel_path))
     else:
         ref_out, ref_lse = reference.attention_forward(c.q, c.k, c.v, c.mask, c.is_causal, c.scale)
         out.copy_(ref_out)
         lse.copy_(ref_lse)
+        _record(Plan("forward", "reference", None, None, None, None, ()))
     return c.squeeze(out), c.squeeze(lse)
 
 
 @torch.library.custom_op("dash::attention_backward", mutates_args=())
 def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                           logsumexp: Tensor, attn_mask: Tensor | None, is_causal: bool,
-                          scale: float | None, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
+                          scale: float | None, enable_gqa: bool, schedule: str = "auto",
+                          max_spin: int = _MAX_SPIN, cpu_backend: str = "reference",
+                          kernel_path: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     raise NotImplementedError(f"dash.attention_backward has no kernel for device "
                               f"{q.device.type!r}; supported: cpu, cuda")
 
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
-                             enable_gqa):
+                             enable_gqa, schedule="auto", max_spin=_MAX_SPIN,
+                             cpu_backend="reference", kernel_path="auto"):
+    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
     c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     return _grads_to_inputs(c, _allocate_grads(c), q, k, v)
 
 
 @attention_backward_op.register_kernel(("cpu", "cuda"))
 def _attention_backward_kernel(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
-                               enable_gqa):
+                               enable_gqa, schedule="auto", max_spin=_MAX_SPIN,
+                               cpu_backend="reference", kernel_path="auto"):
+    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
     c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     grads = _allocate_grads(c)
     do4, out4, lse4 = (_as_canonical_out(c, t) for t in (grad_out, out, logsumexp))
     if any(g.numel() == 0 for g in grads) or c.q.shape[2] == 0 or c.k.shape[2] == 0:
         for g in grads:
             g.zero_()
-    elif _uses_triton(q):
-        _ops().attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask, *grads,
-                                  is_causal=c.is_causal, scale=c.scale, schedule=_schedule(),
-                                  max_spin=int(config.get("max_spin")))
+    elif _uses_triton(q, cpu_backend):
+        _record(_ops().attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask, *grads,
+                                          is_causal=c.is_causal, scale=c.scale, schedule=schedule,
+                                          max_spin=max_spin, kernel=kernel_path))
     else:
         for g, r in zip(grads, reference.attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask,
                                                             c.is_causal, c.scale)):
             g.copy_(r)
+        _record(Plan("backward", "reference", None, schedule, None, None, ()))
     return _grads_to_inputs(c, grads, q, k, v)
 
 
@@ -161,32 +213,41 @@ def _attention_mask_grad_fake(grad_out, q, k, v, out, logsumexp, attn_mask, scal
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, attn_mask, is_causal, scale, enable_gqa = inputs
+    q, k, v, attn_mask, is_causal, scale, enable_gqa, *choices = inputs
+    schedule, _, cpu_backend, _ = choices
+    check_schedule_allowed(q, schedule, cpu_backend)
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.is_causal, ctx.scale, ctx.enable_gqa = is_causal, scale, enable_gqa
+    ctx.choices = choices
 
 
 def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, ctx.is_causal,
-                                       ctx.scale, ctx.enable_gqa)
+                                       ctx.scale, ctx.enable_gqa, *ctx.choices)
     dmask = None
     if attn_mask is not None and ctx.needs_input_grad[3]:
         dmask = attention_mask_grad_op(grad_out, q, k, v, out, lse, attn_mask, ctx.scale,
                                        ctx.enable_gqa)
-    return dq, dk, dv, dmask, None, None, None
+    return dq, dk, dv, dmask, None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-              is_causal: bool = False, scale: float | None = None,
-              enable_gqa: bool = False) -> Tensor:
-    """Deterministic ``scaled_dot_product_attention`` (same signature, no dropout)."""
-    return attention_op(query, key, value, attn_mask, is_causal, scale, enable_gqa)[0]
+              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
+              schedule: str | None = None, kernel: str | None = None) -> Tensor:
+    """Deterministic ``scaled_dot_product_attention`` (same signature, no dropout).
+
+    ``schedule`` and ``kernel`` (None: ``dash_inductor.config``'s) and the rest of
+    ``config.CHOICES`` are read now, so the backward runs what was in force at this call.
+    """
+    choices = config.choices(schedule=schedule, kernel=kernel)
+    return attention_op(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                        *choices.values())[0]
 
 
 def unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,

@@ -8,8 +8,10 @@ pre-grad pass can no longer see it; ``rewrite_fused.py`` swaps those fused calls
 
 The decision is taken at compile time: the pass fires while
 ``torch.are_deterministic_algorithms_enabled()`` (strict or warn-only), or always, or never, as
-``dash_inductor.config.rewrite`` says. The passes' ``uuid()`` carries that decision, so the FX graph
-and AOTAutograd caches never serve a graph compiled under the other decision.
+``dash_inductor.config.rewrite`` says, and the op calls it writes carry the backward choices
+(``config.CHOICES``: schedule, kernel, ...) in force then. The passes' ``uuid()`` carries the
+decision and those choices, so the FX graph and AOTAutograd caches never serve a graph compiled
+under others.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch._inductor.pattern_matcher import (
     register_graph_pattern,
 )
 
-from dash_inductor import library, rewrite_fused, sites
+from dash_inductor import config, library, rewrite_fused, sites
 from dash_inductor.library import unsupported_reason
 from dash_inductor.rewrite_fused import fused_patterns
 from dash_inductor.sites import (DECIDED, SDPA_PARAMS, SiteReport, disabled_reason, example_value,
@@ -78,14 +80,18 @@ def _sdpa_reason(bound: dict[str, Any]) -> str | None:
     return unsupported_reason(**{name: example_value(bound[name]) for name in SDPA_PARAMS})
 
 
-def _fake_outputs(bound: dict[str, Any]) -> Any:
+def _op_args(bound: dict[str, Any], choices: dict[str, Any]) -> tuple[Any, ...]:
+    """The rewritten call's arguments: SDPA's, then the choices baked in now (the op's order)."""
+    return (bound["query"], bound["key"], bound["value"], bound["attn_mask"], bound["is_causal"],
+            bound["scale"], bound["enable_gqa"], *choices.values())
+
+
+def _fake_outputs(bound: dict[str, Any], choices: dict[str, Any]) -> Any:
     """Run the op on the example values (fake mode), to give the new nodes their metadata."""
-    examples = [example_value(bound[name]) for name in ("query", "key", "value", "attn_mask")]
+    examples = [example_value(arg) for arg in _op_args(bound, choices)]
     fake_mode = getattr(examples[0], "fake_mode", None)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        return torch.ops.dash.attention.default(
-            *examples, is_causal=bound["is_causal"], scale=bound["scale"],
-            enable_gqa=bound["enable_gqa"])
+        return torch.ops.dash.attention.default(*examples)
 
 
 _pre_grad_patterns = PatternMatcherPass(pass_name="dash_inductor_sdpa")
@@ -100,14 +106,15 @@ def _rewrite_sdpa_call(match: Match, *args: Any, **kwargs: Any) -> None:
     node = match.nodes[0]
     bound, reason = _bind_sdpa(node)
     reason = disabled_reason() or reason
+    choices = config.choices()
     fake = None
     if reason is None:
         try:
             reason = _sdpa_reason(bound)
-            fake = None if reason else _fake_outputs(bound)
+            fake = None if reason else _fake_outputs(bound, choices)
         except Exception as error:  # never break the user's compile: keep SDPA and say why
             reason = f"dash.attention rejected the example inputs: {error}"
-    report_site(node, "pre-grad", reason)
+    report_site(node, "pre-grad", reason, choices)
     if reason is not None:
         # AOTAutograd carries meta["custom"] to the fused ops this call becomes, so the joint pass
         # leaves them alone too: a user's call is decided once, here.
@@ -116,10 +123,7 @@ def _rewrite_sdpa_call(match: Match, *args: Any, **kwargs: Any) -> None:
     graph = node.graph
     with graph.inserting_before(node):
         call = graph.call_function(
-            torch.ops.dash.attention.default,
-            (bound["query"], bound["key"], bound["value"], bound["attn_mask"]),
-            {"is_causal": bound["is_causal"], "scale": bound["scale"],
-             "enable_gqa": bound["enable_gqa"]})
+            torch.ops.dash.attention.default, _op_args(bound, choices))
         out = graph.call_function(operator.getitem, (call, 0))
     for new, value in ((call, fake), (out, fake[0])):
         new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
@@ -157,14 +161,16 @@ class ChainedPass(CustomGraphPass):
             self.rewrite(graph)
 
     def uuid(self) -> Any:
-        """Source hash plus the current decision; None (no caching) if a chained pass has no uuid."""
+        """Source hash, the current decision and the choices the pass bakes into the op calls;
+        None (no caching) if a chained pass has no uuid."""
         chained = []
         for user_pass in _as_passes(self.chained):
             user_uuid = user_pass.uuid() if isinstance(user_pass, CustomGraphPass) else None
             if user_uuid is None:
                 return None
             chained.append(user_uuid)
-        return (self.hook, _SOURCE_HASH, rewrite_enabled(), tuple(chained))
+        return (self.hook, _SOURCE_HASH, rewrite_enabled(), tuple(config.choices().items()),
+                tuple(chained))
 
     def __reduce__(self) -> tuple[Callable[[str], ChainedPass], tuple[str, Any]]:
         """Pickle by name, with the uuid alongside: some torch versions pickle Inductor's config

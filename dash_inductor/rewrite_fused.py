@@ -4,7 +4,7 @@ Inductor's fuse_attention turns hand-written attention (matmul, scale, softmax, 
 only on the joint graph, where the pre-grad pass (``rewrite.py``) can no longer see it; so do the
 SDPA calls inside ops that Dynamo keeps opaque (``nn.MultiheadAttention``). This pass replaces each
 fused SDPA forward, and the fused backward that reads it, by ``dash.attention`` and
-``dash.attention_backward``.
+``dash.attention_backward``, with the backward choices (``config.CHOICES``) in force at compile time.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 from torch._inductor.pattern_matcher import MULTIPLE, CallFunctionVarArgs, Match, PatternMatcherPass
 from torch._inductor.pattern_matcher import register_graph_pattern
 
-from dash_inductor.library import unsupported_reason
+from dash_inductor import config
+from dash_inductor.library import check_schedule_allowed, unsupported_reason
 from dash_inductor.sites import DECIDED, SDPA_PARAMS, disabled_reason, example_value, report_site
 
 
@@ -99,7 +100,8 @@ def _rewrite_fused_attention(match: Match, *args: Any, **kwargs: Any) -> None:
     backwards = _fused_backwards(forward)
     tensors = [bound["query"], bound["key"], bound["value"], bound["attn_mask"]]
     vals = [example_value(t) for t in tensors]
-    flags = (bool(bound["is_causal"]), bound["scale"], False)
+    choices = config.choices()
+    flags = (bool(bound["is_causal"]), bound["scale"], False, *choices.values())
     reason = disabled_reason()
     if reason is None:
         try:  # decide and compute every fake value before touching the graph
@@ -112,9 +114,10 @@ def _rewrite_fused_attention(match: Match, *args: Any, **kwargs: Any) -> None:
                         for b in backwards]
         except Exception as error:  # never break the user's compile: keep SDPA and say why
             reason = f"dash.attention rejected the example inputs: {error}"
-    report_site(forward, "joint", reason)
+    report_site(forward, "joint", reason, choices)
     if reason is not None:
         return
+    check_schedule_allowed(vals[0], choices["schedule"], choices["cpu_backend"])
     graph = forward.graph
     with graph.inserting_before(forward):
         call = _call(graph, torch.ops.dash.attention.default, (*tensors, *flags), (out_val, lse_val))

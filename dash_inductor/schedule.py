@@ -6,22 +6,24 @@ tile: for every Q tile it visits, a compute of cost ``c`` and then the ordered d
 cost ``r``, which may start only once the previous contribution to that Q tile (by rank) is added.
 This module holds the schedule formulas (the twin of ``ops/schedules.py``, same names, same
 arithmetic), their tables, a simulator of the DAG on a persistent grid, a validator, and the
-closed-form critical paths. It also draws the figures in ``docs/``.
+closed-form critical paths; the schedules' names and properties come from ``ops/catalog.py``.
+It also draws the figures in ``docs/``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEDULES = ("ascending", "descending", "shift", "recompute", "atomic")
+from dash_inductor.ops import catalog
+from dash_inductor.ops.catalog import (ORDERED, items_per_head,  # noqa: F401  (re-exported)
+                                       needs_coresident_head, num_slots)
 
-#: Schedules whose dQ reduction follows a fixed order enforced by waits.
-ORDERED = ("ascending", "descending", "shift")
+#: Every schedule name (defined, with its properties, in ``ops/catalog.py``).
+SCHEDULES = catalog.NAMES
 
 
 def _check_schedule(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+    catalog.get(schedule)
 
 
 def _check_tiles(name: str, value: object) -> None:
@@ -30,25 +32,6 @@ def _check_tiles(name: str, value: object) -> None:
 
 
 # ---- the formulas: twins of the @triton.jit functions in ops/schedules.py -----------------------
-
-def num_slots(causal: bool, schedule: str) -> int:
-    """KV tiles per work item: 2 for causal shift (KV tiles i and n_kv-1-i share a program), else 1."""
-    _check_schedule(schedule)
-    return 2 if causal and schedule == "shift" else 1
-
-
-def items_per_head(n_kv: int, causal: bool, schedule: str) -> int:
-    """Work items per (batch, KV head)."""
-    _check_schedule(schedule)
-    _check_tiles("n_kv", n_kv)
-    return (n_kv + 1) // 2 if causal and schedule == "shift" else n_kv
-
-
-def needs_coresident_head(schedule: str) -> bool:
-    """True when a head's work items wait on each other both ways (shift): they must run at once."""
-    _check_schedule(schedule)
-    return schedule == "shift"
-
 
 def slot_kv_tile(item: int, slot: int, n_kv: int, causal: bool, schedule: str) -> int:
     """KV tile processed by work ``item`` in ``slot``; -1 when that slot is empty."""
@@ -159,7 +142,7 @@ def program_plans(schedule: str, *, n_tiles: int, n_heads: int, programs: int, c
     for index in range(n_heads * per_head):
         head, item = divmod(index, per_head)
         steps = item_steps(item, n_q, n_tiles, causal, schedule, head=head, group=group)
-        if schedule in ORDERED or not causal or index < programs:
+        if catalog.is_ordered(schedule) or not causal or index < programs:
             program = index % programs
         else:  # the kernel's work counter: whichever program frees up first takes the next item
             program = min(range(programs), key=lambda p: (busy[p], p))
@@ -273,8 +256,8 @@ def simulate(schedule: str, *, n_tiles: int, n_heads: int, programs: int, causal
         raise ValueError(f"costs must satisfy c > 0 and r >= 0, got c={c!r}, r={r!r}")
     plans = program_plans(schedule, n_tiles=n_tiles, n_heads=n_heads, programs=programs,
                           causal=causal, group=group, n_q_tiles=n_q_tiles)
-    if schedule != "recompute":
-        return _run(plans, schedule in ORDERED, c, r)
+    if not catalog.get(schedule).separate_dq:
+        return _run(plans, catalog.is_ordered(schedule), c, r)
     n_q = n_tiles if n_q_tiles is None else n_q_tiles
     kv_pass = _run(plans, False, c, 0.0)
     dq_plans = _dq_pass_plans(n_q, n_tiles, n_heads, programs, causal, group)

@@ -33,6 +33,10 @@ class SiteReport:
     rewritten: bool
     reason: str | None  #: why it was left alone; None when rewritten
     graph: str  #: "pre-grad" (user's SDPA call) or "joint" (attention fused by Inductor)
+    #: the backward schedule baked into the rewritten call ("auto": the launcher's rule); None if
+    #: not rewritten. What actually ran is in ``dash_inductor.library.last_plans()``.
+    schedule: str | None = None
+    kernel: str | None = None  #: the kernel path baked into the rewritten call; None if not rewritten
 
 
 #: The lists that open recording() blocks collect reports into.
@@ -40,7 +44,7 @@ recorders: list[list[SiteReport]] = []
 #: One entry per running explain(): True when it installed passes that dash_inductor.disable() had
 #: taken out (they may then report sites but never rewrite).
 explain_disabled: list[bool] = []
-_logged: set[tuple[str, str, str | None]] = set()
+_logged: set[tuple[str, str, str | None, str | None, str | None]] = set()
 
 
 def rewrite_enabled() -> bool:
@@ -56,8 +60,10 @@ def disabled_reason() -> str | None:
     if explain_disabled and explain_disabled[-1]:
         return "dash_inductor is disabled (dash_inductor.disable() was called)"
     if not rewrite_enabled():
-        return (f"dash_inductor.config.rewrite={config.get('rewrite')!r} and deterministic "
-                f"algorithms are off")
+        mode = config.get("rewrite")
+        if mode == "off":
+            return "dash_inductor.config.rewrite='off'"
+        return f"dash_inductor.config.rewrite={mode!r} and deterministic algorithms are off"
     return None
 
 
@@ -70,19 +76,24 @@ def _site_of(node: torch.fx.Node) -> str:
     return f"{path}:{line} in {function}"
 
 
-def report_site(node: torch.fx.Node, graph: str, reason: str | None) -> None:
-    """Record the decision for explain(), and log it once per (site, call, reason)."""
+def report_site(node: torch.fx.Node, graph: str, reason: str | None,
+                choices: dict[str, Any] | None = None) -> None:
+    """Record the decision for explain(), and log it once per (site, call, reason, schedule,
+    kernel). ``choices`` are the op arguments baked into a rewritten call."""
     functional = node.target is F.scaled_dot_product_attention
     call = "torch.nn.functional.scaled_dot_product_attention" if functional else str(node.target)
-    report = SiteReport(_site_of(node), call, reason is None, reason, graph)
+    baked = choices if reason is None and choices else {}
+    report = SiteReport(_site_of(node), call, reason is None, reason, graph,
+                        baked.get("schedule"), baked.get("kernel"))
     for recorder in recorders:
         recorder.append(report)
-    key = (report.site, report.call, reason)
+    key = (report.site, report.call, reason, report.schedule, report.kernel)
     if key in _logged:
         return
     _logged.add(key)
     if reason is None:
-        log.debug("dash_inductor: %s at %s rewritten to dash.attention", report.call, report.site)
+        log.debug("dash_inductor: %s at %s rewritten to dash.attention (schedule %r, kernel %r)",
+                  report.call, report.site, report.schedule, report.kernel)
     else:
         log.info("dash_inductor: %s at %s left as it is: %s", report.call, report.site, reason)
 

@@ -9,9 +9,27 @@ This layer knows Triton and tensors only: no torch.library, no autograd. The cal
   an ``expand``-ed view with zero strides on broadcast dims.
 - ``is_causal``: SDPA's top-left alignment, query i sees keys j <= i.
 - ``lse``: natural-log logsumexp, fp32 (B, Hq, L); -inf on rows that see no key.
+
+The launchers are imported on first use, so that ``dash_inductor.ops.catalog`` (the schedules'
+definition, plain Python) loads without Triton.
 """
 
-from .backward import attention_backward
-from .forward import attention_forward
+from __future__ import annotations
 
-__all__ = ["attention_forward", "attention_backward"]
+from typing import Any
+
+from .plan import Plan
+
+__all__ = ["Plan", "attention_forward", "attention_backward"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "attention_forward":
+        from .forward import attention_forward
+
+        return attention_forward
+    if name == "attention_backward":
+        from .backward import attention_backward
+
+        return attention_backward
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,7 +7,8 @@ an item owns a KV tile, keeps dK and dV in fp32 registers and, for every query h
 group, visits Q tiles in the schedule's order. Its dQ partial goes into an fp32
 accumulator in the order fixed by the schedule's reduction rank, enforced by an int32 ticket per
 (b, hq, Q sub-tile) (ops/tickets.py; docs/design.md; DASH, Qiang et al. 2026, for the
-orders). The schedule is a constexpr, so every schedule is this one kernel body. ``recompute``
+orders). The schedule and its properties (ops/catalog.py) are constexprs, so every schedule is
+this one kernel body. ``recompute``
 skips dQ there and runs the dQ kernel instead: one program per Q tile, KV tiles in ascending order.
 """
 
@@ -17,10 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import catalog
 from . import schedules as sch
+from .catalog import Schedule
 from .configs import arch_key, auto_schedule, backward_config, head_dim_bucket
+from .dispatch import PORTABLE, select_kernel
 from .launch import (coresident_programs, cooperative_launch_supported, dot_precision, interpreting,
                      mask_kind, raise_if_spin_exceeded, warn_once)
+from .plan import Plan
 from .tickets import add_in_turn, release_last
 from .tiles import load_tile, masked_scores, mm
 
@@ -84,16 +89,14 @@ def _backward_main_kernel(
         stride_mb, stride_mh, stride_mm, stride_mn,
         stride_dkb, stride_dkh, stride_dkn, stride_dke,
         stride_dvb, stride_dvh, stride_dvn, stride_dve,
-        HQ, HKV, L, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale, max_spin,
+        HQ, HKV, L, S, n_q, n_kv, qk_scale, sm_scale, max_spin, items_per_head, total_items,
         GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
         HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, EVEN_L: tl.constexpr, EVEN_S: tl.constexpr,
-        SCHEDULE: tl.constexpr, NUM_SLOTS: tl.constexpr, ORDERED_WAITS: tl.constexpr,
-        PRECISION: tl.constexpr):
+        SCHEDULE: tl.constexpr, NUM_SLOTS: tl.constexpr, ORDERED: tl.constexpr,
+        COMPUTE_DQ: tl.constexpr, ORDERED_WAITS: tl.constexpr, PRECISION: tl.constexpr):
     NSUB: tl.constexpr = BLOCK_N // BLOCK_M
-    COMPUTE_DQ: tl.constexpr = SCHEDULE != sch.RECOMPUTE
-    ORDERED: tl.constexpr = (SCHEDULE != sch.RECOMPUTE) & (SCHEDULE != sch.ATOMIC)
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_e = tl.arange(0, HEAD_E)
@@ -251,35 +254,53 @@ def _backward_dq_kernel(
 
 
 def _resolve_schedule(schedule: str, head_dim: int, dtype: torch.dtype, causal: bool, n_kv: int,
-                      arch: int | str) -> str:
-    if schedule == "auto":
-        return auto_schedule(head_dim, dtype, causal, n_kv, arch)
-    if schedule not in sch.SCHEDULE_IDS:
-        raise ValueError(f"schedule must be 'auto' or one of {sorted(sch.SCHEDULE_IDS)}, got {schedule!r}")
-    return schedule
+                      arch: int | str) -> Schedule:
+    if schedule == catalog.AUTO:
+        return catalog.get(auto_schedule(head_dim, dtype, causal, n_kv, arch))
+    if schedule not in catalog.SCHEDULES:
+        raise ValueError(f"schedule must be {catalog.AUTO!r} or one of {list(catalog.NAMES)}, "
+                         f"got {schedule!r}")
+    return catalog.get(schedule)
 
 
-def _fit_schedule(schedule: str, causal: bool, n_kv: int, capacity: int, shape: str) -> str:
-    """Fall back when a schedule needs all items of a head resident but they exceed the capacity."""
-    if sch.needs_coresident_head(schedule) and sch.items_per_head(n_kv, causal, schedule) > capacity:
-        fallback = "descending" if causal else "ascending"
-        warn_once(f"dash attention backward: schedule {schedule!r} needs "
-                  f"{sch.items_per_head(n_kv, causal, schedule)} co-resident programs per head for "
-                  f"{shape}, the GPU holds {capacity}; using {fallback!r} instead")
-        return fallback
-    return schedule
+def _fit_schedule(schedule: Schedule, causal: bool, n_kv: int, capacity: int,
+                  shape: str) -> tuple[Schedule, str | None]:
+    """The schedule that fits ``capacity`` co-resident programs, and why it is not the one asked."""
+    needed = schedule.items_per_head(n_kv, causal)
+    if not schedule.coresident_head or needed <= capacity:
+        return schedule, None
+    fallback = catalog.get(catalog.fallback(causal))
+    reason = (f"schedule {schedule.name!r} needs {needed} co-resident programs per head for "
+              f"{shape}, the GPU holds {capacity}; using {fallback.name!r} instead")
+    warn_once(f"dash attention backward: {reason}")
+    return fallback, reason
+
+
+def _schedule_launch(schedule: Schedule, causal: bool, n_kv: int, heads: int,
+                     waits: bool) -> tuple[tuple[int, int], dict]:
+    """The main kernel's schedule-dependent arguments: (items per head, items), and constexprs."""
+    per_head = schedule.items_per_head(n_kv, causal)
+    kwargs = dict(SCHEDULE=schedule.id, NUM_SLOTS=schedule.slots(causal), ORDERED=schedule.ordered,
+                  COMPUTE_DQ=not schedule.separate_dq, ORDERED_WAITS=waits)
+    if waits and cooperative_launch_supported():
+        kwargs["launch_cooperative_grid"] = True
+    return (per_head, heads * per_head), kwargs
 
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None,
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, is_causal: bool,
                        scale: float, schedule: str = "auto", max_spin: int = 1 << 26,
-                       config=None) -> str:
-    """Write the gradients of attention into ``dq``, ``dk``, ``dv``; return the schedule used.
+                       kernel: str = "auto", config=None) -> Plan:
+    """Write the gradients of attention into ``dq``, ``dk``, ``dv``; return what ran.
 
-    ``lse`` is the forward's contiguous fp32 (B, Hq, L) logsumexp. ``config`` overrides the table's
-    :class:`~.configs.BackwardConfig` (tests and tuning only).
+    ``lse`` is the forward's contiguous fp32 (B, Hq, L) logsumexp. ``kernel`` picks the kernel path
+    (``ops/dispatch.py``). ``config`` overrides the table's :class:`~.configs.BackwardConfig`
+    (tests and tuning only).
     """
+    path, kernel_reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal)
+    if path != PORTABLE:
+        raise ValueError(f"dash attention backward: no launcher for kernel path {path!r}")
     batch, hq, seq_q, e = q.shape
     hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
     device = q.device
@@ -289,74 +310,82 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         raise ValueError(f"backward config needs block_m dividing block_n, got {cfg}")
     n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
-    schedule = _resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, n_kv, arch)
+    requested = _resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, n_kv, arch)
     head_e, head_ev = head_dim_bucket(e), head_dim_bucket(ev)
     precision = dot_precision(q.dtype)
     mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
 
-    delta = torch.empty((batch * hq, seq_q), device=device, dtype=torch.float32)
-    prep_block = 64
-    _preprocess_kernel[(triton.cdiv(seq_q, prep_block), batch * hq)](
-        out, grad_out, delta, *out.stride(), *grad_out.stride(), hq, seq_q,
-        EV=ev, HEAD_EV=head_ev, BLOCK_M=prep_block)
+    delta = compute_delta(out, grad_out)
 
-    ordered = schedule not in ("atomic", "recompute")
-    waits = ordered and not interpreting()
+    # A fallback keeps dQ in the main kernel and ordered (catalog.fallback), so the buffers and
+    # the waits of the requested schedule serve the one that runs.
+    waits = requested.ordered and not interpreting()
     dq_acc = None
-    if schedule != "recompute":
+    if not requested.separate_dq:
         dq_acc = torch.zeros((batch * hq, n_q * cfg.block_n, head_e), device=device, dtype=torch.float32)
     tickets = torch.zeros((batch * hq * n_q * (cfg.block_n // cfg.block_m),), device=device,
                           dtype=torch.int32)
     flags = torch.zeros((2,), device=device, dtype=torch.int32)
     error_flag, work_counter = flags[:1], flags[1:]
+    args = (q, k, v, grad_out, lse, delta, mask_t, dk, dv,
+            dq_acc if dq_acc is not None else delta, tickets, error_flag, work_counter,
+            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides,
+            *dk.stride(), *dv.stride(),
+            hq, hkv, seq_q, seq_k, n_q, n_kv, scale * LOG2E, scale, max_spin)
+    kwargs = dict(GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_e, HEAD_EV=head_ev,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=is_causal,
+                  MASK_KIND=mask_kind(mask), EVEN_L=seq_q % cfg.block_n == 0,
+                  EVEN_S=seq_k % cfg.block_n == 0, PRECISION=precision,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    def main_args(sched: str) -> tuple[tuple, dict, int]:
-        per_head = sch.items_per_head(n_kv, is_causal, sched)
-        args = (q, k, v, grad_out, lse, delta, mask_t, dk, dv,
-                dq_acc if dq_acc is not None else delta, tickets, error_flag, work_counter,
-                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides,
-                *dk.stride(), *dv.stride(),
-                hq, hkv, seq_q, seq_k, n_q, n_kv, per_head, batch * hkv * per_head,
-                scale * LOG2E, scale, max_spin)
-        kwargs = dict(GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_e, HEAD_EV=head_ev,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=is_causal,
-                      MASK_KIND=mask_kind(mask), EVEN_L=seq_q % cfg.block_n == 0,
-                      EVEN_S=seq_k % cfg.block_n == 0,
-                      SCHEDULE=sch.SCHEDULE_IDS[sched], NUM_SLOTS=sch.num_slots(is_causal, sched),
-                      ORDERED_WAITS=waits, PRECISION=precision,
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if waits and cooperative_launch_supported():
-            kwargs["launch_cooperative_grid"] = True
-        return args, kwargs, batch * hkv * per_head
+    def capacity(s: Schedule) -> int:
+        items, constexprs = _schedule_launch(s, is_causal, n_kv, batch * hkv, waits)
+        return coresident_programs(_backward_main_kernel, (*args, *items), {**kwargs, **constexprs},
+                                   device)
 
-    args, kwargs, total_items = main_args(schedule)
-    if interpreting():
-        programs = min(total_items, 3)
-    else:
-        capacity = coresident_programs(_backward_main_kernel, args, kwargs, device)
-        fitted = _fit_schedule(schedule, is_causal, n_kv, capacity, shape)
-        if fitted != schedule:
-            schedule = fitted
-            args, kwargs, total_items = main_args(schedule)
-            capacity = coresident_programs(_backward_main_kernel, args, kwargs, device)
-        programs = min(total_items, capacity)
-    _backward_main_kernel[(programs,)](*args, **kwargs)
+    fitted, fallback = requested, None
+    if requested.coresident_head and not interpreting():
+        fitted, fallback = _fit_schedule(requested, is_causal, n_kv, capacity(requested), shape)
+    items, constexprs = _schedule_launch(fitted, is_causal, n_kv, batch * hkv, waits)
+    programs = min(items[1], 3 if interpreting() else capacity(fitted))
+    _backward_main_kernel[(programs,)](*args, *items, **kwargs, **constexprs)
 
     if is_causal and seq_k > n_q * cfg.block_n:
         dk[:, :, n_q * cfg.block_n:].zero_()
         dv[:, :, n_q * cfg.block_n:].zero_()
-    if schedule == "recompute":
-        _backward_dq_kernel[(triton.cdiv(seq_q, cfg.dq_block_m), batch * hq)](
-            q, k, v, grad_out, lse, delta, mask_t, dq,
-            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides, *dq.stride(),
-            hq, seq_q, seq_k, scale * LOG2E, scale,
-            GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_e, HEAD_EV=head_ev,
-            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, EVEN_M=seq_q % cfg.dq_block_m == 0,
-            CAUSAL=is_causal,
-            MASK_KIND=mask_kind(mask), PRECISION=precision,
-            num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages)
+    if fitted.separate_dq:
+        launch_dq_pass(q, k, v, grad_out, lse, delta, mask, dq, is_causal=is_causal, scale=scale,
+                       cfg=cfg)
     else:
         dq.copy_(dq_acc.view(batch, hq, n_q * cfg.block_n, head_e)[:, :, :seq_q, :e])
     if waits and not torch.cuda.is_current_stream_capturing():
-        raise_if_spin_exceeded(error_flag, f"{shape}, schedule {schedule!r}")
-    return schedule
+        raise_if_spin_exceeded(error_flag, f"{shape}, schedule {fitted.name!r}")
+    return Plan("backward", path, kernel_reason, schedule, fitted.name, fallback, (programs,), cfg)
+
+
+def compute_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(dO * O) in fp32, shape (B * Hq, L): the backward's preprocess pass."""
+    batch, hq, seq_q, ev = out.shape
+    delta = torch.empty((batch * hq, seq_q), device=out.device, dtype=torch.float32)
+    block = 64
+    _preprocess_kernel[(triton.cdiv(seq_q, block), batch * hq)](
+        out, grad_out, delta, *out.stride(), *grad_out.stride(), hq, seq_q,
+        EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=block)
+    return delta
+
+
+def launch_dq_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                   lse: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor | None,
+                   dq: torch.Tensor, *, is_causal: bool, scale: float, cfg) -> None:
+    """The ``recompute`` schedule's dQ kernel: each Q tile sums its KV tiles in ascending order."""
+    batch, hq, seq_q, e = q.shape
+    hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
+    mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
+    _backward_dq_kernel[(triton.cdiv(seq_q, cfg.dq_block_m), batch * hq)](
+        q, k, v, grad_out, lse, delta, mask_t, dq,
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides, *dq.stride(),
+        hq, seq_q, seq_k, scale * LOG2E, scale,
+        GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e), HEAD_EV=head_dim_bucket(ev),
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, EVEN_M=seq_q % cfg.dq_block_m == 0,
+        CAUSAL=is_causal, MASK_KIND=mask_kind(mask), PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages)

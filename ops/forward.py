@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 
 from .configs import arch_key, forward_config, head_dim_bucket
+from .dispatch import PORTABLE, select_kernel
 from .launch import dot_precision, mask_kind
+from .plan import Plan
 from .tiles import load_tile, masked_scores, mm
 
 LOG2E = 1.4426950408889634
@@ -116,12 +118,16 @@ def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                       out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool, scale: float,
-                      config=None) -> None:
+                      kernel: str = "auto", config=None) -> Plan:
     """Write softmax(q k^T * scale + mask) v into ``out`` and its logsumexp into ``lse``.
 
-    ``lse`` must be a contiguous fp32 (B, Hq, L) tensor. ``config`` overrides the table's
-    :class:`~.configs.ForwardConfig` (tests and tuning only).
+    ``lse`` must be a contiguous fp32 (B, Hq, L) tensor. ``kernel`` picks the kernel path
+    (``ops/dispatch.py``). ``config`` overrides the table's :class:`~.configs.ForwardConfig`
+    (tests and tuning only). Returns what ran.
     """
+    path, kernel_reason = select_kernel(kernel, "forward", q, k, v, mask, is_causal)
+    if path != PORTABLE:
+        raise ValueError(f"dash attention forward: no launcher for kernel path {path!r}")
     batch, hq, seq_q, e = q.shape
     hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
     if not lse.is_contiguous():
@@ -137,3 +143,4 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN_M=seq_q % cfg.block_m == 0,
         CAUSAL=is_causal, MASK_KIND=mask_kind(mask), PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return Plan("forward", path, kernel_reason, None, None, None, grid, cfg)

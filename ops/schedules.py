@@ -3,6 +3,7 @@ and the rank of its dQ contribution in that Q tile's fixed reduction order.
 
 The same formulas, in plain Python with a simulator of the DAG model, live in
 ``dash_inductor/schedule.py`` (the twin of this file; a test holds the two against each other).
+The schedules' names, ids and properties are defined once, in ``ops/catalog.py``.
 The schedules follow DASH (Qiang et al., arXiv 2601.21824). Every function is closed-form integer
 arithmetic on non-negative scalars: it runs inside the kernel's inner loop.
 
@@ -17,38 +18,11 @@ program follows, so the ordered dQ reduction cannot deadlock:
 import triton
 import triton.language as tl
 
-ASCENDING = tl.constexpr(0)
-DESCENDING = tl.constexpr(1)
-SHIFT = tl.constexpr(2)
-RECOMPUTE = tl.constexpr(3)
-ATOMIC = tl.constexpr(4)
+from .catalog import SCHEDULES
 
-SCHEDULE_IDS: dict[str, int] = {"ascending": 0, "descending": 1, "shift": 2, "recompute": 3, "atomic": 4}
-
-
-def _check_schedule(schedule: str) -> None:
-    if schedule not in SCHEDULE_IDS:
-        raise ValueError(f"schedule must be one of {sorted(SCHEDULE_IDS)}, got {schedule!r}")
-
-
-def num_slots(causal: bool, schedule: str) -> int:
-    """KV tiles per work item: 2 for causal shift (KV tiles i and n_kv-1-i share a program), else 1."""
-    _check_schedule(schedule)
-    return 2 if causal and schedule == "shift" else 1
-
-
-def items_per_head(n_kv: int, causal: bool, schedule: str) -> int:
-    """Work items per (batch, KV head)."""
-    _check_schedule(schedule)
-    if not isinstance(n_kv, int) or n_kv < 1:
-        raise ValueError(f"n_kv must be a positive int (KV tiles per head), got {n_kv!r}")
-    return (n_kv + 1) // 2 if causal and schedule == "shift" else n_kv
-
-
-def needs_coresident_head(schedule: str) -> bool:
-    """True when a head's work items wait on each other both ways (shift): they must run at once."""
-    _check_schedule(schedule)
-    return schedule == "shift"
+ASCENDING = tl.constexpr(SCHEDULES["ascending"].id)
+DESCENDING = tl.constexpr(SCHEDULES["descending"].id)
+SHIFT = tl.constexpr(SCHEDULES["shift"].id)
 
 
 @triton.jit

@@ -16,10 +16,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dash_inductor.ops import attention_backward, attention_forward  # noqa: E402
+from dash_inductor.ops.catalog import DETERMINISTIC, NAMES  # noqa: E402
 from dash_inductor.ops.configs import auto_schedule  # noqa: E402
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
-SCHEDULES = ("ascending", "descending", "shift", "atomic", "recompute")
+SCHEDULES = NAMES
 # Max-abs error allowed, as a fraction of the reference's max-abs value, per input dtype.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -117,10 +118,10 @@ def _run_case(case: Case, schedule: str, seed: int = 0):
     lse = torch.full((case.batch, case.hq, case.seq_q), float("nan"), device=DEVICE)
     attention_forward(q, k, v, mask, out, lse, is_causal=case.causal, scale=scale)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
-    used = attention_backward(do, q, k, v, out, lse, mask, dq, dk, dv, is_causal=case.causal,
+    plan = attention_backward(do, q, k, v, out, lse, mask, dq, dk, dv, is_causal=case.causal,
                               scale=scale, schedule=schedule)
     expected = _reference(q, k, v, mask, do, case.causal, scale)
-    return used, (out, lse, dq, dk, dv), expected
+    return plan, (out, lse, dq, dk, dv), expected
 
 
 def _assert_close(name: str, ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -137,15 +138,16 @@ def _assert_close(name: str, ours: torch.Tensor, ref: torch.Tensor, dtype: torch
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_forward_and_backward_match_float64(case: Case, schedule: str) -> None:
-    used, ours, expected = _run_case(case, schedule)
-    assert used == schedule
+    plan, ours, expected = _run_case(case, schedule)
+    assert (plan.schedule_requested, plan.schedule, plan.fallback) == (schedule, schedule, None)
+    assert plan.op == "backward" and plan.kernel == "portable" and plan.grid[0] >= 1
     for name, mine, ref in zip(("out", "lse", "dq", "dk", "dv"), ours, expected):
         _assert_close(name, mine, ref, case.dtype)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.mask != "none"], ids=lambda c: c.name)
 def test_rows_that_see_no_key_are_zero(case: Case) -> None:
-    _, (out, lse, dq, _, _), _ = _run_case(case, "ascending", seed=1)
+    _, (out, lse, dq, _, _), _ = _run_case(case, SCHEDULES[0], seed=1)
     row = case.seq_q // 2
     assert torch.all(lse[:, :, row] == float("-inf"))
     assert torch.all(out[:, :, row] == 0)
@@ -158,15 +160,15 @@ def test_schedules_agree_closely_and_runs_repeat_bitwise() -> None:
     again = _run_case(case, "shift")[1]
     assert all(torch.equal(a, b) for a, b in zip(first["shift"], again))
     for schedule in SCHEDULES[1:]:
-        for mine, base in zip(first[schedule][2:], first["ascending"][2:]):
+        for mine, base in zip(first[schedule][2:], first[SCHEDULES[0]][2:]):
             torch.testing.assert_close(mine, base, rtol=1e-5, atol=1e-5)
 
 
 def test_auto_resolves_to_a_deterministic_schedule() -> None:
     case = Case("auto", causal=True, seq_q=20, seq_k=20)
-    used, _, _ = _run_case(case, "auto")
-    assert used == auto_schedule(case.e, case.dtype, True, 1, "interpreter")
-    assert used in ("ascending", "descending", "shift", "recompute")
+    plan, _, _ = _run_case(case, "auto")
+    assert plan.schedule == auto_schedule(case.e, case.dtype, True, 1, "interpreter")
+    assert plan.schedule in DETERMINISTIC and plan.schedule_requested == "auto"
 
 
 def test_unknown_schedule_is_rejected() -> None:

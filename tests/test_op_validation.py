@@ -76,15 +76,28 @@ def test_config_rejects_unknown_values():
 
 def test_atomic_schedule_refused_under_deterministic_algorithms(restore_deterministic_algorithms):
     """The non-deterministic schedule raises in strict mode and warns in warn-only mode, like
-    PyTorch's own non-deterministic ops (exercised through the interpreted Triton kernels)."""
+    PyTorch's own non-deterministic ops, when the forward runs (exercised through the interpreted
+    Triton kernels)."""
     q, k, v = (t.requires_grad_() for t in _qkv(q=(1, 1, 8, 16), k=(1, 1, 8, 16)))
     with dash_inductor.config.patch(cpu_backend="triton", schedule="atomic"):
         torch.use_deterministic_algorithms(True)
-        out = dash_inductor.attention(q, k, v)
         with pytest.raises(RuntimeError, match=r"schedule='atomic' .* not deterministic"):
-            out.sum().backward()
+            dash_inductor.attention(q, k, v)
         torch.use_deterministic_algorithms(True, warn_only=True)
-        out = dash_inductor.attention(q, k, v)
         with pytest.warns(UserWarning, match=r"schedule='atomic'"):
-            out.sum().backward()
-        assert q.grad is not None and torch.isfinite(q.grad).all()
+            out = dash_inductor.attention(q, k, v)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    torch.use_deterministic_algorithms(True)
+    with dash_inductor.config.patch(cpu_backend="triton"):
+        dash_inductor.attention(q, k, v, schedule="recompute").sum().backward()
+
+
+def test_bad_choices_name_the_argument():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"schedule must be one of"):
+        dash_inductor.attention(q, k, v, schedule="fastest")
+    with pytest.raises(ValueError, match=r"kernel must be one of"):
+        dash_inductor.attention(q, k, v, kernel="cuda")
+    with pytest.raises(ValueError, match=r"kernel must be one of"):
+        torch.ops.dash.attention(q, k, v, kernel_path="cuda")

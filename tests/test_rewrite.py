@@ -47,7 +47,9 @@ def restore_state():
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
         config.rewrite = mode
-        if not installed:
+        if installed:
+            rewrite.install()
+        else:
             rewrite.uninstall()
         torch._dynamo.reset()
 

@@ -1,4 +1,5 @@
-"""ops/schedules.py's @triton.jit functions equal their plain-Python twins in dash_inductor/schedule.py.
+"""ops/schedules.py's @triton.jit functions equal their plain-Python twins in dash_inductor/schedule.py,
+and both take the schedules' names, ids and properties from ops/catalog.py.
 
 One tiny kernel launch per (schedule, causal, n_q, n_kv) evaluates every function for every
 (work item, slot, step) and every (q, kv) pair; on machines without CUDA it runs in the interpreter.
@@ -17,6 +18,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from dash_inductor import schedule as model  # noqa: E402
+from dash_inductor.ops import catalog  # noqa: E402
 from dash_inductor.ops import schedules as ops  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,7 +54,7 @@ def _evaluate_schedule(kv_out, count_out, q_out, rank_out, pair_rank_out, n_item
 
 
 def _run_kernel(schedule: str, causal: bool, n_q: int, n_kv: int) -> dict[str, list[int]]:
-    n_items = ops.items_per_head(n_kv, causal, schedule)
+    n_items = catalog.items_per_head(n_kv, causal, schedule)
     steps_block = triton.next_power_of_2(n_items * 2 * n_q)
     pairs_block = triton.next_power_of_2(n_q * n_kv)
     outputs = {name: torch.full((size,), -7, dtype=torch.int32, device=DEVICE)
@@ -60,7 +62,7 @@ def _run_kernel(schedule: str, causal: bool, n_q: int, n_kv: int) -> dict[str, l
                                   ("rank", steps_block), ("pair_rank", pairs_block))}
     _evaluate_schedule[(1,)](outputs["kv"], outputs["count"], outputs["q"], outputs["rank"],
                              outputs["pair_rank"], n_items, n_q, n_kv, STEPS_BLOCK=steps_block,
-                             PAIRS_BLOCK=pairs_block, CAUSAL=causal, SCHEDULE=ops.SCHEDULE_IDS[schedule])
+                             PAIRS_BLOCK=pairs_block, CAUSAL=causal, SCHEDULE=catalog.get(schedule).id)
     return {name: tensor.tolist() for name, tensor in outputs.items()}
 
 
@@ -86,15 +88,30 @@ def _expected(schedule: str, causal: bool, n_q: int, n_kv: int) -> dict[str, lis
     return expected
 
 
-def test_ids_and_host_helpers_match_the_model():
-    assert set(ops.SCHEDULE_IDS) == set(model.SCHEDULES)
-    constants = {"ascending": ops.ASCENDING, "descending": ops.DESCENDING, "shift": ops.SHIFT,
-                 "recompute": ops.RECOMPUTE, "atomic": ops.ATOMIC}
-    assert {name: int(value.value) for name, value in constants.items()} == ops.SCHEDULE_IDS
-    for schedule, causal, n_kv in itertools.product(model.SCHEDULES, (False, True), SIZES):
-        assert ops.num_slots(causal, schedule) == model.num_slots(causal, schedule)
-        assert ops.items_per_head(n_kv, causal, schedule) == model.items_per_head(n_kv, causal, schedule)
-        assert ops.needs_coresident_head(schedule) == model.needs_coresident_head(schedule)
+def test_ids_are_distinct_and_the_kernels_constants_come_from_the_catalog():
+    assert model.SCHEDULES == catalog.NAMES
+    assert sorted(s.id for s in catalog.SCHEDULES.values()) == list(range(len(catalog.NAMES)))
+    for constant in (ops.ASCENDING, ops.DESCENDING, ops.SHIFT):
+        assert int(constant.value) in {s.id for s in catalog.SCHEDULES.values()}
+    assert [catalog.get(name).id for name in ("ascending", "descending", "shift")] == \
+        [int(c.value) for c in (ops.ASCENDING, ops.DESCENDING, ops.SHIFT)]
+
+
+def test_catalog_properties_agree_with_the_model():
+    """Work items cover every KV tile once with the catalogue's slot counts; a schedule the model
+    finds waiting on other programs is ordered; one that needs its head co-resident deadlocks with
+    fewer programs."""
+    for schedule, causal, n_kv in itertools.product(catalog.NAMES, (False, True), SIZES):
+        per_head = catalog.items_per_head(n_kv, causal, schedule)
+        slots = catalog.num_slots(causal, schedule)
+        owned = sorted(kv for item in range(per_head) for slot in range(slots)
+                       if (kv := model.slot_kv_tile(item, slot, n_kv, causal, schedule)) >= 0)
+        assert owned == list(range(n_kv)), (schedule, causal, n_kv)
+        stalls = model.simulate(schedule, n_tiles=n_kv, n_heads=2, programs=per_head,
+                                causal=causal).stall
+        assert catalog.is_ordered(schedule) or not any(stalls)
+    with pytest.raises(model.WaitCycleError):
+        model.simulate("shift", n_tiles=4, n_heads=1, programs=2, causal=False)
 
 
 @pytest.mark.parametrize("bad,match", [(("fastest",), "schedule must be one of"),
@@ -102,16 +119,16 @@ def test_ids_and_host_helpers_match_the_model():
 def test_host_helpers_name_bad_arguments(bad, match):
     with pytest.raises(ValueError, match=match):
         if len(bad) == 1:
-            ops.num_slots(True, bad[0])
+            catalog.num_slots(True, bad[0])
         else:
-            ops.items_per_head(bad[1], True, bad[0])
+            catalog.items_per_head(bad[1], True, bad[0])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("schedule", sorted(ops.SCHEDULE_IDS))
+@pytest.mark.parametrize("schedule", catalog.NAMES)
 def test_triton_schedule_functions_equal_the_model(schedule, causal):
     sizes = list(itertools.product(SIZES, SIZES))
-    if schedule in ("recompute", "atomic"):  # visit like ascending: a sample is enough
+    if not catalog.is_ordered(schedule):  # visit like ascending: a sample is enough
         sizes = sizes[::7]
     for n_q, n_kv in sizes:
         got = _run_kernel(schedule, causal, n_q, n_kv)

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dash_inductor.ops import attention_backward, attention_forward
+from dash_inductor.ops import catalog
+from dash_inductor.ops.catalog import DETERMINISTIC, ORDERED
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-DETERMINISTIC = ("ascending", "descending", "shift", "recompute")
 
 
 def _inputs(batch, hq, hkv, seq, dim, dtype=torch.bfloat16, seed=0):
@@ -66,7 +66,7 @@ def test_flash_rule_every_schedule(shape, causal, dtype):
     q, k, v, do = _inputs(*shape, dtype=dtype)
     ref = _sdpa_math(q, k, v, do, causal, torch.float32)
     same = _sdpa_math(q, k, v, do, causal, dtype)
-    for schedule in (*DETERMINISTIC, "atomic"):
+    for schedule in catalog.NAMES:
         _assert_flash_rule(_ours(q, k, v, do, causal, schedule), same, ref)
 
 
@@ -100,7 +100,7 @@ def _close_to_recompute(q, k, v, do, causal, schedule):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("schedule", ("ascending", "descending", "shift", "atomic"))
+@pytest.mark.parametrize("schedule", (*ORDERED, "atomic"))
 def test_many_tiles_no_hang(schedule):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     heads = -(-30 * sms // (4 * 32))  # batch 4, 32 KV tiles of 128 per head: 30x the SM count
@@ -109,7 +109,7 @@ def test_many_tiles_no_hang(schedule):
         _close_to_recompute(q, k, v, do, causal, schedule)
 
 
-@pytest.mark.parametrize("schedule", ("ascending", "descending", "shift"))
+@pytest.mark.parametrize("schedule", ORDERED)
 def test_seq_65536_no_hang(schedule):
     q, k, v, do = _inputs(1, 2, 2, 65536, 64, seed=4)
     with warnings.catch_warnings():
