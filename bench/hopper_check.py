@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dash_inductor.ops import attention_forward
 from dash_inductor.ops import attention_backward as portable_backward
 from dash_inductor.ops import catalog
+from dash_inductor.ops.hopper.config import HopperBackwardConfig
 from dash_inductor.ops.hopper.launch import attention_backward as hopper_backward
 
 
@@ -39,10 +40,10 @@ def _forward(q, k, v, causal):
     return out, lse
 
 
-def _hopper(q, k, v, do, out, lse, causal, schedule):
+def _hopper(q, k, v, do, out, lse, causal, schedule, cfg=None):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     hopper_backward(do, q, k, v, out, lse, dq, dk, dv, is_causal=causal, scale=q.shape[-1] ** -0.5,
-                    schedule=catalog.get(schedule), max_spin=1 << 26)
+                    schedule=catalog.get(schedule), max_spin=1 << 26, cfg=cfg)
     return dq, dk, dv
 
 
@@ -108,25 +109,38 @@ def _tflops(shape, causal, ms):
     return flops / (ms * 1e-3) / 1e12
 
 
+def _bench(fn, shape, causal):
+    return _tflops(shape, causal, triton.testing.do_bench(fn, return_mode="median"))
+
+
 def time_backward(shapes, log):
+    """Backward TFLOP/s of every column on every shape; all in this one process and GPU."""
     rows = []
+    deeper = HopperBackwardConfig(stages=3, dq_stages=1)
     for shape in shapes:
         for causal in (False, True):
             q, k, v, do = _inputs(*shape)
             out, lse = _forward(q, k, v, causal)
             row = {"shape": shape, "causal": causal}
             for schedule in catalog.NAMES:
-                row[f"hopper {schedule}"] = _tflops(shape, causal, triton.testing.do_bench(
-                    lambda: _hopper(q, k, v, do, out, lse, causal, schedule), return_mode="median"))
-            row["portable recompute"] = _tflops(shape, causal, triton.testing.do_bench(
-                lambda: _portable(q, k, v, do, out, lse, causal, "recompute"), return_mode="median"))
+                row[f"hopper {schedule}"] = _bench(
+                    lambda: _hopper(q, k, v, do, out, lse, causal, schedule), shape, causal)
+            row["hopper shift (3 stages, 1 dq)"] = _bench(
+                lambda: _hopper(q, k, v, do, out, lse, causal, "shift", deeper), shape, causal)
+            for schedule in ("recompute", "shift", "descending", "atomic"):
+                row[f"portable {schedule}"] = _bench(
+                    lambda: _portable(q, k, v, do, out, lse, causal, schedule), shape, causal)
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
-                                                   enable_gqa=q.shape[1] != k.shape[1])
-            row["sdpa cudnn"] = _tflops(shape, causal, triton.testing.do_bench(
-                lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True),
-                return_mode="median"))
+            for name, backend, deterministic in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION, False),
+                                                 ("sdpa deterministic", SDPBackend.FLASH_ATTENTION,
+                                                  True)):
+                torch.use_deterministic_algorithms(deterministic)
+                with sdpa_kernel(backend):
+                    o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
+                                                       enable_gqa=q.shape[1] != k.shape[1])
+                row[name] = _bench(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True),
+                                   shape, causal)
+                torch.use_deterministic_algorithms(False)
             rows.append(row)
             log(f"tflops {shape} causal={causal} " + "  ".join(
                 f"{key}={val:.0f}" for key, val in row.items() if isinstance(val, float)))
@@ -136,17 +150,17 @@ def time_backward(shapes, log):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="accuracy and a short timing only")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--out", default=None, help="folder for hopper_check.json")
     args = parser.parse_args()
     started = time.time()
     log = lambda line: print(f"[{time.time() - started:6.1f}s] {line}", flush=True)
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    accuracy = [(2, 4, 2, 1000, 128), (1, 4, 4, 640, 64)]
+    accuracy = [(2, 4, 2, 1000, 128), (2, 8, 8, 1024, 64)]
     timing = [(4, 16, 16, 4096, 128)]
     if not args.quick:
-        accuracy += [(1, 2, 2, 300, 128)]
-        timing += [(4, 32, 32, 4096, 64), (1, 16, 16, 16384, 128)]
+        accuracy += [(1, 2, 2, 300, 128), (1, 4, 1, 777, 64)]
+        timing += [(4, 16, 4, 4096, 128), (1, 16, 16, 16384, 128), (4, 32, 32, 4096, 64)]
     ok = check_accuracy(accuracy, log)
     if not args.quick:
         ok &= check_bitwise([(2, 8, 8, 1024, 128), (1, 16, 4, 2048, 64)], args.repeats, log)

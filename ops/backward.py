@@ -22,9 +22,9 @@ from . import catalog
 from . import schedules as sch
 from .catalog import Schedule
 from .configs import arch_key, auto_schedule, backward_config, head_dim_bucket
-from .dispatch import PORTABLE, select_kernel
+from .dispatch import HOPPER, select_kernel
 from .launch import (coresident_programs, cooperative_launch_supported, dot_precision, interpreting,
-                     mask_kind, raise_if_spin_exceeded, warn_once)
+                     mask_kind, warn_once, watch_spin_flag)
 from .plan import Plan
 from .tickets import add_in_turn, release_last
 from .tiles import load_tile, masked_scores, mm
@@ -263,7 +263,7 @@ def _resolve_schedule(schedule: str, head_dim: int, dtype: torch.dtype, causal: 
     return catalog.get(schedule)
 
 
-def _fit_schedule(schedule: Schedule, causal: bool, n_kv: int, capacity: int,
+def fit_schedule(schedule: Schedule, causal: bool, n_kv: int, capacity: int,
                   shape: str) -> tuple[Schedule, str | None]:
     """The schedule that fits ``capacity`` co-resident programs, and why it is not the one asked."""
     needed = schedule.items_per_head(n_kv, causal)
@@ -298,9 +298,6 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     (``ops/dispatch.py``). ``config`` overrides the table's :class:`~.configs.BackwardConfig`
     (tests and tuning only).
     """
-    path, kernel_reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal)
-    if path != PORTABLE:
-        raise ValueError(f"dash attention backward: no launcher for kernel path {path!r}")
     batch, hq, seq_q, e = q.shape
     hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
     device = q.device
@@ -311,6 +308,14 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
     requested = _resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, n_kv, arch)
+    path, kernel_reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal,
+                                        requested.name, grad_out)
+    if path == HOPPER:
+        from .hopper.launch import attention_backward as hopper_backward
+
+        return hopper_backward(grad_out, q, k, v, out, lse, dq, dk, dv, is_causal=is_causal,
+                               scale=scale, schedule=requested, max_spin=max_spin,
+                               schedule_requested=schedule, kernel_reason=kernel_reason)
     head_e, head_ev = head_dim_bucket(e), head_dim_bucket(ev)
     precision = dot_precision(q.dtype)
     mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
@@ -345,7 +350,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
     fitted, fallback = requested, None
     if requested.coresident_head and not interpreting():
-        fitted, fallback = _fit_schedule(requested, is_causal, n_kv, capacity(requested), shape)
+        fitted, fallback = fit_schedule(requested, is_causal, n_kv, capacity(requested), shape)
     items, constexprs = _schedule_launch(fitted, is_causal, n_kv, batch * hkv, waits)
     programs = min(items[1], 3 if interpreting() else capacity(fitted))
     _backward_main_kernel[(programs,)](*args, *items, **kwargs, **constexprs)
@@ -358,8 +363,8 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        cfg=cfg)
     else:
         dq.copy_(dq_acc.view(batch, hq, n_q * cfg.block_n, head_e)[:, :, :seq_q, :e])
-    if waits and not torch.cuda.is_current_stream_capturing():
-        raise_if_spin_exceeded(error_flag, f"{shape}, schedule {fitted.name!r}")
+    if waits:
+        watch_spin_flag(error_flag, f"{shape}, schedule {fitted.name!r}")
     return Plan("backward", path, kernel_reason, schedule, fitted.name, fallback, (programs,), cfg)
 
 

@@ -1,8 +1,10 @@
 """Which kernel path runs a launch: the one place that chooses between kernel families.
 
 ``kernel`` is the caller's choice (``dash_inductor.config.kernel``, captured when the forward runs):
-"auto" picks the fastest path available for the inputs, "portable" the ``tl`` kernels of ``ops/``,
-"hopper" the sm90 family. Only the portable kernels exist so far.
+"portable" is the ``tl`` kernels of ``ops/``; "hopper" the sm90 Gluon family of ``ops/hopper/``
+(backward only so far), refused with the reason when it cannot take the inputs; "auto" takes the
+Hopper backward where it measured faster than the portable one (``hopper.config.FASTER_ON_HOPPER``,
+docs/benchmarks.md) and the portable kernels everywhere else, and says why.
 """
 
 from __future__ import annotations
@@ -12,17 +14,43 @@ import torch
 from .catalog import KERNELS
 
 PORTABLE = "portable"
+HOPPER = "hopper"
+
+
+def _hopper_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        mask: torch.Tensor | None, grad_out: torch.Tensor | None) -> str | None:
+    if q.device.type != "cuda":
+        return f"device {q.device.type!r} (the Hopper kernels run on sm90 GPUs)"
+    try:
+        from .hopper.launch import unsupported_reason
+    except ImportError as error:  # a Triton without Gluon
+        return f"the Hopper kernels cannot be imported ({error})"
+    return unsupported_reason(q, k, v, mask, grad_out)
 
 
 def select_kernel(kernel: str, op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  mask: torch.Tensor | None, is_causal: bool) -> tuple[str, str | None]:
-    """The path that runs ``op`` ("forward" or "backward") on these inputs, and why "auto" did not
-    take a faster one (None when it did, or when the path was asked for by name)."""
-    if kernel == "auto":
-        return PORTABLE, "hopper kernels not built yet"
+                  mask: torch.Tensor | None, is_causal: bool, schedule: str | None = None,
+                  grad_out: torch.Tensor | None = None) -> tuple[str, str | None]:
+    """The path that runs ``op`` ("forward" or "backward") with the resolved backward ``schedule``,
+    and why "auto" did not take the Hopper path (None when it did, or a path was named)."""
+    del is_causal  # both paths take causal and full masks alike
+    if kernel not in KERNELS:
+        raise ValueError(f"dash.attention: kernel must be one of {list(KERNELS)}, got {kernel!r}")
     if kernel == PORTABLE:
         return PORTABLE, None
-    if kernel == "hopper":
-        raise ValueError("dash.attention: kernel='hopper' is not available: the hopper kernels "
-                         "are not built yet; use kernel='auto' or 'portable'")
-    raise ValueError(f"dash.attention: kernel must be one of {list(KERNELS)}, got {kernel!r}")
+    reason = _hopper_unsupported(q, k, v, mask, grad_out)
+    if kernel == HOPPER and reason is not None:  # refused when the forward runs, not later
+        raise ValueError(f"dash.attention: kernel='hopper' cannot run this attention: {reason}; "
+                         f"use kernel='auto' or 'portable'")
+    if op == "forward":
+        return PORTABLE, "the Hopper family has no forward kernel yet"
+    if kernel == HOPPER:
+        return HOPPER, None
+    if reason is not None:
+        return PORTABLE, reason
+    from .hopper.config import FASTER_ON_HOPPER
+
+    if schedule not in FASTER_ON_HOPPER:
+        return PORTABLE, (f"schedule {schedule!r} measured faster on the portable kernels "
+                          f"(the Hopper path is picked for {list(FASTER_ON_HOPPER)})")
+    return HOPPER, None

@@ -107,10 +107,45 @@ def warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def raise_if_spin_exceeded(error_flag: torch.Tensor, what: str) -> None:
-    """Turn the kernel's error flag (set when a bounded wait gave up) into a RuntimeError."""
-    if int(error_flag.item()) != 0:
-        raise RuntimeError(
-            f"dash attention backward: an ordered dQ wait exceeded max_spin for {what}; the "
-            "programs of one head were probably not co-resident. The gradients are invalid. "
-            "Use schedule='recompute', which never waits.")
+_PENDING: list[tuple[torch.Tensor, "torch.cuda.Event", str]] = []
+
+
+def _spin_error(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"dash attention backward: an ordered dQ wait exceeded max_spin for {what}; the "
+        "programs of one head were probably not co-resident. The gradients are invalid. "
+        "Use schedule='recompute', which never waits.")
+
+
+def check_spin_flags(wait: bool = False) -> None:
+    """Raise for an earlier backward whose bounded dQ wait gave up (its gradients are invalid).
+
+    Looks only at launches the GPU has finished, so it never blocks the host, unless ``wait``:
+    then it waits for every watched launch (tests, and callers that want the answer now).
+    """
+    failed, pending = None, []
+    for host_flag, done, what in _PENDING:
+        if wait:
+            done.synchronize()
+        if done.query():
+            if failed is None and int(host_flag[0]) != 0:
+                failed = what
+        else:
+            pending.append((host_flag, done, what))
+    _PENDING[:] = pending
+    if failed is not None:
+        raise _spin_error(failed)
+
+
+def watch_spin_flag(error_flag: torch.Tensor, what: str) -> None:
+    """Check a launch's error flag without a host sync: copy it to pinned host memory on the
+    stream and look at it once the GPU is past it (:func:`check_spin_flags`, run by every backward
+    launch). Under CUDA-graph capture the flag stays on the device, unwatched."""
+    check_spin_flags()
+    if torch.cuda.is_current_stream_capturing():
+        return
+    host_flag = torch.empty((1,), dtype=torch.int32, pin_memory=True)
+    host_flag.copy_(error_flag, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    _PENDING.append((host_flag, done, what))

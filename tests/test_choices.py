@@ -69,11 +69,11 @@ def test_auto_kernel_says_why_and_hopper_is_refused_at_forward_time() -> None:
     q, k, v = _qkv(seed=3)
     with config.patch(cpu_backend="triton"):
         dash_inductor.attention(q, k, v)
-        assert library.last_plans()[-1].kernel_reason == "hopper kernels not built yet"
+        assert library.last_plans()[-1].kernel_reason == "the Hopper family has no forward kernel yet"
         with pytest.raises(ValueError, match="kernel='hopper'"):
             dash_inductor.attention(q, k, v, kernel="hopper")
     params = list(inspect.signature(dispatch.select_kernel).parameters)
-    assert params == ["kernel", "op", "q", "k", "v", "mask", "is_causal"]
+    assert params == ["kernel", "op", "q", "k", "v", "mask", "is_causal", "schedule", "grad_out"]
 
 
 def test_schema_ends_with_the_choices_in_config_order() -> None:

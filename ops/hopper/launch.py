@@ -16,9 +16,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import catalog
-from ..backward import LOG2E, compute_delta, launch_dq_pass
+from ..backward import LOG2E, compute_delta, fit_schedule, launch_dq_pass
 from ..configs import backward_config as portable_backward_config
-from ..launch import raise_if_spin_exceeded, warn_once
+from ..launch import watch_spin_flag
+from ..plan import Plan
 from .backward import backward_kernel
 from .config import HEAD_DIMS, HopperBackwardConfig, backward_config, backward_constexprs
 
@@ -65,26 +66,13 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
 
 
-def _fit(schedule: catalog.Schedule, causal: bool, n_kv: int, capacity: int,
-         shape: str) -> tuple[catalog.Schedule, str | None]:
-    """A schedule whose waits need every item of a head resident falls back past ``capacity``."""
-    needed = schedule.items_per_head(n_kv, causal)
-    if not schedule.coresident_head or needed <= capacity:
-        return schedule, None
-    fallback = catalog.get(catalog.fallback(causal))
-    reason = (f"schedule {schedule.name!r} needs {needed} co-resident programs per head for "
-              f"{shape}, the GPU holds {capacity}; using {fallback.name!r} instead")
-    warn_once(f"dash attention backward: {reason}")
-    return fallback, reason
-
-
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                        dv: torch.Tensor, *, is_causal: bool, scale: float,
-                       schedule: catalog.Schedule, max_spin: int,
-                       cfg: HopperBackwardConfig | None = None
-                       ) -> tuple[catalog.Schedule, str | None, tuple[int, ...], HopperBackwardConfig]:
-    """Write dq, dk, dv with the Hopper kernel; return (schedule run, fallback reason, grid, config).
+                       schedule: catalog.Schedule, max_spin: int, schedule_requested: str | None = None,
+                       kernel_reason: str | None = None,
+                       cfg: HopperBackwardConfig | None = None) -> Plan:
+    """Write dq, dk, dv with the Hopper kernel; return what ran.
 
     The caller checked :func:`unsupported_reason`. One CTA per SM (its shared memory takes the
     SM), so a grid of at most the SM count is co-resident and the ordered waits cannot hang.
@@ -95,7 +83,8 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
     capacity = _sm_count(q.device.index or 0)
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
-    schedule, reason = _fit(schedule, is_causal, n_kv, capacity, shape)
+    requested = schedule
+    schedule, fallback = fit_schedule(schedule, is_causal, n_kv, capacity, shape)
     delta = compute_delta(out, grad_out)
     per_head = schedule.items_per_head(n_kv, is_causal)
     total_items = batch * hkv * per_head
@@ -122,6 +111,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        cfg=portable_backward_config(head_d, q.dtype, is_causal, 9))
     else:
         dq.copy_(dq_acc.view(batch, hq, n_q * cfg.block_n, head_d)[:, :, :seq_q])
-    if schedule.ordered and not torch.cuda.is_current_stream_capturing():
-        raise_if_spin_exceeded(error_flag, f"{shape}, schedule {schedule.name!r}")
-    return schedule, reason, grid, cfg
+    if schedule.ordered:
+        watch_spin_flag(error_flag, f"{shape}, schedule {schedule.name!r}")
+    return Plan("backward", "hopper", kernel_reason, schedule_requested or requested.name,
+                schedule.name, fallback, grid, cfg)

@@ -1,5 +1,6 @@
 """GPU tests of the kernels: accuracy by the FlashAttention rule, bitwise repeatability, batch
-invariance, no hang on many tiles or long sequences, and the bounded-spin error.
+invariance, no hang on many tiles or long sequences, and the bounded-spin error; on both kernel
+paths (portable, and the Hopper Gluon kernels where the GPU is sm90).
 
 Only a GPU runs the programs concurrently, so only here are the ordered dQ waits really exercised.
 """
@@ -14,6 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dash_inductor.ops import attention_backward, attention_forward
 from dash_inductor.ops import catalog
 from dash_inductor.ops.catalog import DETERMINISTIC, ORDERED
+from dash_inductor.ops.hopper.config import HEAD_DIMS
+from dash_inductor.ops.launch import check_spin_flags
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -28,6 +31,19 @@ def _inputs(batch, hq, hkv, seq, dim, dtype=torch.bfloat16, seed=0):
     return q, k, v, do
 
 
+@pytest.fixture(params=["portable", "hopper"], autouse=True)
+def kernel(request):
+    """Every test runs on both kernel paths; the Hopper one only on sm90."""
+    if request.param == "hopper" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper kernels need an sm90 GPU")
+    global KERNEL
+    KERNEL = request.param
+    return request.param
+
+
+KERNEL = "portable"
+
+
 def _ours(q, k, v, do, causal, schedule, max_spin=1 << 26):
     scale = q.shape[-1] ** -0.5
     out = torch.empty_like(do)
@@ -35,7 +51,7 @@ def _ours(q, k, v, do, causal, schedule, max_spin=1 << 26):
     attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal, scale=scale,
-                       schedule=schedule, max_spin=max_spin)
+                       schedule=schedule, max_spin=max_spin, kernel=KERNEL)
     return out, dq, dk, dv
 
 
@@ -63,6 +79,8 @@ ACCURACY_SHAPES = [(2, 8, 8, 1024, 64), (1, 16, 16, 2048, 128), (2, 8, 2, 1000, 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", ACCURACY_SHAPES, ids=str)
 def test_flash_rule_every_schedule(shape, causal, dtype):
+    if KERNEL == "hopper" and shape[-1] not in HEAD_DIMS:
+        pytest.skip(f"the Hopper kernels take head dims {HEAD_DIMS}")
     q, k, v, do = _inputs(*shape, dtype=dtype)
     ref = _sdpa_math(q, k, v, do, causal, torch.float32)
     same = _sdpa_math(q, k, v, do, causal, dtype)
@@ -122,4 +140,5 @@ def test_exceeded_spin_bound_raises():
     q, k, v, do = _inputs(2, 16, 16, 4096, 64, seed=5)
     with pytest.raises(RuntimeError, match="max_spin.*schedule 'ascending'"):
         _ours(q, k, v, do, False, "ascending", max_spin=1)
+        check_spin_flags(wait=True)
     _close_to_recompute(q, k, v, do, False, "ascending")  # the next call is unaffected

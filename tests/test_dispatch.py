@@ -1,0 +1,52 @@
+"""The kernel-path rule of ops/dispatch.py, with the Hopper support check stubbed (no GPU here)."""
+
+import pytest
+import torch
+
+from dash_inductor.ops import catalog, dispatch
+from dash_inductor.ops.hopper.config import FASTER_ON_HOPPER
+
+
+def _qkv():
+    q, k, v = (torch.randn(1, 2, 64, 64) for _ in range(3))
+    return q, k, v
+
+
+@pytest.fixture
+def hopper_takes_it(monkeypatch):
+    monkeypatch.setattr(dispatch, "_hopper_unsupported", lambda *args: None)
+
+
+@pytest.mark.parametrize("schedule", catalog.NAMES)
+def test_auto_backward_takes_hopper_exactly_for_the_measured_schedules(hopper_takes_it, schedule):
+    path, reason = dispatch.select_kernel("auto", "backward", *_qkv(), None, False, schedule)
+    assert (path == dispatch.HOPPER) == (schedule in FASTER_ON_HOPPER)
+    assert (reason is None) == (path == dispatch.HOPPER)
+    if reason is not None:
+        assert schedule in reason
+
+
+def test_ordered_schedules_are_the_hopper_ones():
+    assert set(FASTER_ON_HOPPER) == {s for s in catalog.NAMES if catalog.is_ordered(s)}
+
+
+def test_forward_stays_portable_and_says_why(hopper_takes_it):
+    for kernel in ("auto", "hopper"):
+        path, reason = dispatch.select_kernel(kernel, "forward", *_qkv(), None, True)
+        assert path == dispatch.PORTABLE and "no forward kernel" in reason
+
+
+def test_named_paths(hopper_takes_it):
+    assert dispatch.select_kernel("portable", "backward", *_qkv(), None, False, "shift") == (
+        dispatch.PORTABLE, None)
+    assert dispatch.select_kernel("hopper", "backward", *_qkv(), None, False, "recompute") == (
+        dispatch.HOPPER, None)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        dispatch.select_kernel("fast", "backward", *_qkv(), None, False, "shift")
+
+
+def test_hopper_refused_with_the_reason_on_cpu():
+    with pytest.raises(ValueError, match="kernel='hopper' cannot run this attention: device 'cpu'"):
+        dispatch.select_kernel("hopper", "forward", *_qkv(), None, False)
+    path, reason = dispatch.select_kernel("auto", "backward", *_qkv(), None, False, "shift")
+    assert path == dispatch.PORTABLE and "device 'cpu'" in reason
