@@ -1,8 +1,10 @@
 """dash_inductor: fast, bitwise-reproducible attention for PyTorch training.
 
 ``attention`` is a deterministic drop-in for ``torch.nn.functional.scaled_dot_product_attention``
-(no dropout); the op is ``torch.ops.dash.attention``. Importing this package registers the op and
-installs the Inductor pass that rewrites SDPA into it under ``torch.use_deterministic_algorithms``.
+(no dropout); the op is ``torch.ops.dash.attention``. ``varlen_attention`` is the same for packed
+sequences, with ``torch.nn.attention.varlen.varlen_attn``'s signature. Importing this package
+registers the ops and installs the Inductor pass that rewrites SDPA into ``dash.attention`` under
+``torch.use_deterministic_algorithms``.
 """
 
 from . import config, integrations
@@ -10,10 +12,11 @@ from .library import attention, unsupported_reason
 from .rewrite import explain
 from .rewrite import install as enable
 from .rewrite import uninstall as disable
+from .varlen import varlen_attention
 
 enable()
 integrations.install()  # registers, never activates: see dash_inductor.integrations
 
 __all__ = ["attention", "config", "disable", "enable", "explain", "integrations",
-           "unsupported_reason"]
+           "unsupported_reason", "varlen_attention"]
 __version__ = "0.1.0"

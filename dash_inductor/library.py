@@ -15,6 +15,10 @@ cpu_backend, kernel, in that order after SDPA's arguments; the op calls the last
 ``kernel_path``, as Inductor's fallback kernels reserve ``kernel``) is an argument of both ops, so
 it is captured when the forward runs and saved for the backward: ``attention`` fills them from
 the config in force at the call, the Inductor pass from the config in force at compile time. What each launch ran is kept in ``last_plans()``.
+
+``window_size`` (a sliding window, ``window.py``) comes right before the choices. Until the
+kernels learn windows, the Triton path receives the window as a boolean mask
+(``window.merged_mask``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import collections
 import logging
 import math
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -31,6 +36,7 @@ from . import config, reference
 from .ops import catalog
 from .ops.plan import Plan
 from .shapes import Canonical, canonicalize, empty_like_layout
+from .window import NO_WINDOW, check_window, dense_keep, merged_mask
 
 log = logging.getLogger("dash_inductor")
 #: The latest launches' plans, newest last (host-side values only: recording never syncs).
@@ -107,12 +113,24 @@ def _as_canonical_out(c: Canonical, t: Tensor) -> Tensor:
 
 
 _MAX_SPIN = 1 << 26  # the op's default; config.max_spin's default
+_CHOICES_SCHEMA = ('int[2] window_size=[-1, -1], str schedule="auto", SymInt max_spin=67108864, '
+                   'str cpu_backend="reference", str kernel_path="auto"')
 
 
-@torch.library.custom_op("dash::attention", mutates_args=())
+def _kernel_mask(c: Canonical) -> Tensor | None:
+    """The mask the Triton kernels take: the user's, with the window folded in as -inf."""
+    inside = dense_keep(c.q.shape[2], c.k.shape[2], c.window, False, c.q.device)
+    return merged_mask(c.mask, inside, c.q.shape[:2])
+
+
+@torch.library.custom_op(
+    "dash::attention", mutates_args=(),
+    schema=("(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, "
+            f"float? scale=None, bool enable_gqa=False, {_CHOICES_SCHEMA}) -> (Tensor, Tensor)"))
 def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                  is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                 schedule: str = "auto", max_spin: int = _MAX_SPIN, cpu_backend: str = "reference",
+                 window_size: Sequence[int] = NO_WINDOW, schedule: str = "auto",
+                 max_spin: int = _MAX_SPIN, cpu_backend: str = "reference",
                  kernel_path: str = "auto") -> tuple[Tensor, Tensor]:
     raise NotImplementedError(f"dash.attention has no kernel for device {q.device.type!r}; "
                               f"supported: cpu, cuda")
@@ -120,39 +138,45 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = Non
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                    schedule="auto", max_spin=_MAX_SPIN, cpu_backend="reference",
-                    kernel_path="auto"):
+                    window_size=NO_WINDOW, schedule="auto", max_spin=_MAX_SPIN,
+                    cpu_backend="reference", kernel_path="auto"):
     _check_choices(schedule, max_spin, cpu_backend, kernel_path)
-    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
     out, lse = _allocate_forward(c)
     return c.squeeze(out), c.squeeze(lse)
 
 
 @attention_op.register_kernel(("cpu", "cuda"))
 def _attention_kernel(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                      schedule="auto", max_spin=_MAX_SPIN, cpu_backend="reference",
-                      kernel_path="auto"):
+                      window_size=NO_WINDOW, schedule="auto", max_spin=_MAX_SPIN,
+                      cpu_backend="reference", kernel_path="auto"):
     _check_choices(schedule, max_spin, cpu_backend, kernel_path)
-    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
     out, lse = _allocate_forward(c)
     if out.numel() == 0 or c.k.shape[2] == 0:
         out.zero_()
         lse.fill_(-math.inf)
     elif _uses_triton(q, cpu_backend):
-        _record(_ops().attention_forward(c.q, c.k, c.v, c.mask, out, lse, is_causal=c.is_causal,
-                                         scale=c.scale, kernel=kernel_path))
+        _record(_ops().attention_forward(c.q, c.k, c.v, _kernel_mask(c), out, lse,
+                                         is_causal=c.is_causal, scale=c.scale, kernel=kernel_path))
     else:
-        ref_out, ref_lse = reference.attention_forward(c.q, c.k, c.v, c.mask, c.is_causal, c.scale)
+        ref_out, ref_lse = reference.attention_forward(c.q, c.k, c.v, c.mask, c.is_causal, c.scale,
+                                                       c.window)
         out.copy_(ref_out)
         lse.copy_(ref_lse)
         _record(Plan("forward", "reference", None, None, None, None, ()))
     return c.squeeze(out), c.squeeze(lse)
 
 
-@torch.library.custom_op("dash::attention_backward", mutates_args=())
+@torch.library.custom_op(
+    "dash::attention_backward", mutates_args=(),
+    schema=("(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor logsumexp, "
+            "Tensor? attn_mask, bool is_causal, float? scale, bool enable_gqa, "
+            f"{_CHOICES_SCHEMA}) -> (Tensor, Tensor, Tensor)"))
 def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                           logsumexp: Tensor, attn_mask: Tensor | None, is_causal: bool,
-                          scale: float | None, enable_gqa: bool, schedule: str = "auto",
+                          scale: float | None, enable_gqa: bool,
+                          window_size: Sequence[int] = NO_WINDOW, schedule: str = "auto",
                           max_spin: int = _MAX_SPIN, cpu_backend: str = "reference",
                           kernel_path: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     raise NotImplementedError(f"dash.attention_backward has no kernel for device "
@@ -161,59 +185,65 @@ def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
-                             enable_gqa, schedule="auto", max_spin=_MAX_SPIN,
-                             cpu_backend="reference", kernel_path="auto"):
+                             enable_gqa, window_size=NO_WINDOW, schedule="auto",
+                             max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
     _check_choices(schedule, max_spin, cpu_backend, kernel_path)
-    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
     return _grads_to_inputs(c, _allocate_grads(c), q, k, v)
 
 
 @attention_backward_op.register_kernel(("cpu", "cuda"))
 def _attention_backward_kernel(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
-                               enable_gqa, schedule="auto", max_spin=_MAX_SPIN,
-                               cpu_backend="reference", kernel_path="auto"):
+                               enable_gqa, window_size=NO_WINDOW, schedule="auto",
+                               max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
     _check_choices(schedule, max_spin, cpu_backend, kernel_path)
-    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
     grads = _allocate_grads(c)
     do4, out4, lse4 = (_as_canonical_out(c, t) for t in (grad_out, out, logsumexp))
     if any(g.numel() == 0 for g in grads) or c.q.shape[2] == 0 or c.k.shape[2] == 0:
         for g in grads:
             g.zero_()
     elif _uses_triton(q, cpu_backend):
-        _record(_ops().attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask, *grads,
+        _record(_ops().attention_backward(do4, c.q, c.k, c.v, out4, lse4, _kernel_mask(c), *grads,
                                           is_causal=c.is_causal, scale=c.scale, schedule=schedule,
                                           max_spin=max_spin, kernel=kernel_path))
     else:
         for g, r in zip(grads, reference.attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask,
-                                                            c.is_causal, c.scale)):
+                                                            c.is_causal, c.scale, c.window)):
             g.copy_(r)
         _record(Plan("backward", "reference", None, schedule, None, None, ()))
     return _grads_to_inputs(c, grads, q, k, v)
 
 
-@torch.library.custom_op("dash::attention_mask_grad", mutates_args=())
+@torch.library.custom_op(
+    "dash::attention_mask_grad", mutates_args=(),
+    schema=("(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor logsumexp, "
+            "Tensor attn_mask, float? scale, bool enable_gqa, int[2] window_size=[-1, -1]) "
+            "-> Tensor"))
 def attention_mask_grad_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                            logsumexp: Tensor, attn_mask: Tensor, scale: float | None,
-                           enable_gqa: bool) -> Tensor:
+                           enable_gqa: bool, window_size: Sequence[int] = NO_WINDOW) -> Tensor:
     """Gradient of an additive float mask (a learned bias), summed over its broadcast dims.
 
     Runs the blocked reference on every device (deterministic; it materialises (B, H, L, S), which
     the mask itself already is).
     """
-    c = canonicalize(q, k, v, attn_mask, False, scale, enable_gqa)
+    c = canonicalize(q, k, v, attn_mask, False, scale, enable_gqa, window_size)
     do4, out4, lse4 = (_as_canonical_out(c, t) for t in (grad_out, out, logsumexp))
-    grad = reference.attention_mask_grad(do4, c.q, c.k, c.v, out4, lse4, c.mask, False, c.scale)
+    grad = reference.attention_mask_grad(do4, c.q, c.k, c.v, out4, lse4, c.mask, c.is_causal,
+                                         c.scale, c.window)
     return c.reduce_grad(grad, attn_mask).to(attn_mask.dtype)
 
 
 @attention_mask_grad_op.register_fake
-def _attention_mask_grad_fake(grad_out, q, k, v, out, logsumexp, attn_mask, scale, enable_gqa):
-    canonicalize(q, k, v, attn_mask, False, scale, enable_gqa)
+def _attention_mask_grad_fake(grad_out, q, k, v, out, logsumexp, attn_mask, scale, enable_gqa,
+                              window_size=NO_WINDOW):
+    canonicalize(q, k, v, attn_mask, False, scale, enable_gqa, window_size)
     return torch.empty(attn_mask.shape, dtype=attn_mask.dtype, device=attn_mask.device)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, attn_mask, is_causal, scale, enable_gqa, *choices = inputs
+    q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size, *choices = inputs
     schedule, _, cpu_backend, _ = choices
     check_schedule_allowed(q, schedule, cpu_backend)
     out, lse = output
@@ -221,17 +251,18 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.is_causal, ctx.scale, ctx.enable_gqa = is_causal, scale, enable_gqa
     ctx.choices = choices
+    ctx.window_size = tuple(window_size)
 
 
 def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, ctx.is_causal,
-                                       ctx.scale, ctx.enable_gqa, *ctx.choices)
+                                       ctx.scale, ctx.enable_gqa, ctx.window_size, *ctx.choices)
     dmask = None
     if attn_mask is not None and ctx.needs_input_grad[3]:
         dmask = attention_mask_grad_op(grad_out, q, k, v, out, lse, attn_mask, ctx.scale,
-                                       ctx.enable_gqa)
-    return dq, dk, dv, dmask, None, None, None, None, None, None, None
+                                       ctx.enable_gqa, ctx.window_size)
+    return dq, dk, dv, dmask, None, None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -239,14 +270,19 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
-              schedule: str | None = None, kernel: str | None = None) -> Tensor:
+              window_size: tuple[int, int] = NO_WINDOW, schedule: str | None = None,
+              kernel: str | None = None) -> Tensor:
     """Deterministic ``scaled_dot_product_attention`` (same signature, no dropout).
 
-    ``schedule`` and ``kernel`` (None: ``dash_inductor.config``'s) and the rest of
-    ``config.CHOICES`` are read now, so the backward runs what was in force at this call.
+    ``window_size=(left, right)``: a sliding window with FlashAttention's meaning, top-left
+    aligned like ``is_causal`` (``window.py``); (-1, -1) is none. ``schedule`` and ``kernel``
+    (None: ``dash_inductor.config``'s) and the rest of ``config.CHOICES`` are read now, so the
+    backward runs what was in force at this call.
     """
     choices = config.choices(schedule=schedule, kernel=kernel)
-    return attention_op(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+    # Checked here too: the schema's own cast errors would not name the argument.
+    window = check_window(window_size, "dash.attention")
+    return attention_op(query, key, value, attn_mask, is_causal, scale, enable_gqa, window,
                         *choices.values())[0]
 
 

@@ -7,7 +7,8 @@ inputs), so the result depends only on the inputs, never on timing.
 
 All functions take the canonical 4-D form that ``library.py`` produces: q (B, Hq, L, E),
 k (B, Hkv, S, E), v (B, Hkv, S, Ev) with Hq a multiple of Hkv, and ``mask`` None or a bool
-(True = attend) / additive float tensor broadcastable to (B, Hq, L, S).
+(True = attend) / additive float tensor broadcastable to (B, Hq, L, S). ``window`` is a
+(left, right) sliding window (``dash_inductor/window.py``), top-left aligned like ``is_causal``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import math
 
 import torch
 from torch import Tensor
+
+from .window import NO_WINDOW, Window, keep
 
 #: KV block size of the online softmax. Any value gives the same function up to rounding; a fixed
 #: one gives the same bits every time.
@@ -35,20 +38,23 @@ def _kv_for_query_heads(t: Tensor, n_query_heads: int) -> Tensor:
 
 
 def _scores(q: Tensor, k_block: Tensor, mask: Tensor | None, is_causal: bool, scale: float,
-            start: int) -> Tensor:
+            start: int, window: Window) -> Tensor:
     """Scaled scores of all queries against keys [start, start + block), with masking applied.
 
-    Boolean and causal masks are *added* as -inf, as SDPA's math backend does, so a NaN or +inf
+    Boolean, causal and window masks are *added* as -inf, as SDPA's math backend does, so a NaN or +inf
     score at a masked key stays NaN instead of being hidden.
     """
     s = torch.matmul(q, k_block.transpose(-1, -2)) * scale
     if mask is not None:
         m = mask[..., start:start + k_block.shape[-2]]
         s = s + (_masked_as_minus_inf(~m, s.dtype) if m.dtype == torch.bool else m.to(s.dtype))
+    rows = torch.arange(q.shape[-2], device=q.device)[:, None]
+    cols = torch.arange(start, start + k_block.shape[-2], device=q.device)[None, :]
     if is_causal:
-        rows = torch.arange(q.shape[-2], device=q.device)[:, None]
-        cols = torch.arange(start, start + k_block.shape[-2], device=q.device)[None, :]
         s = s + _masked_as_minus_inf(cols > rows, s.dtype)
+    inside = keep(rows, cols, window)
+    if inside is not None:
+        s = s + _masked_as_minus_inf(~inside, s.dtype)
     return s
 
 
@@ -62,7 +68,7 @@ def _expand_mask(mask: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
-                      scale: float) -> tuple[Tensor, Tensor]:
+                      scale: float, window: Window = NO_WINDOW) -> tuple[Tensor, Tensor]:
     """Returns ``out`` (B, Hq, L, Ev) in q's dtype and ``lse`` (B, Hq, L) in the accumulation dtype.
 
     Rows that see no key get ``lse = -inf`` and ``out = 0 @ v``: zero, or NaN where ``v`` holds a
@@ -78,7 +84,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
     row_sum = torch.zeros((b, h, l, 1), dtype=acc, device=q.device)
     out = torch.zeros((b, h, l, v.shape[-1]), dtype=acc, device=q.device)
     for start in range(0, k.shape[-2], BLOCK):
-        s = _scores(qa, ka[:, :, start:start + BLOCK], mask, is_causal, scale, start)
+        s = _scores(qa, ka[:, :, start:start + BLOCK], mask, is_causal, scale, start, window)
         new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
         # Rows that have seen no key yet keep a -inf maximum; shift them by 0 instead (no NaN).
         # A +inf maximum stays: inf - inf makes the row NaN, as in SDPA's softmax.
@@ -103,7 +109,8 @@ def _probabilities(s: Tensor, lse: Tensor) -> Tensor:
 
 
 def _blocked_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                      mask: Tensor | None, is_causal: bool, scale: float, want_mask_grad: bool):
+                      mask: Tensor | None, is_causal: bool, scale: float, want_mask_grad: bool,
+                      window: Window):
     """Per-query-head (dq, dk, dv, dmask), KV blocks in ascending order, in the accumulation dtype."""
     acc = accumulation_dtype(q.dtype)
     b, h, l, _ = q.shape
@@ -119,7 +126,7 @@ def _blocked_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     dmask = torch.zeros((b, h, l, s_len), dtype=acc, device=q.device) if want_mask_grad else None
     for start in range(0, s_len, BLOCK):
         kb, vb = ka[:, :, start:start + BLOCK], va[:, :, start:start + BLOCK]
-        p = _probabilities(_scores(qa, kb, mask, is_causal, scale, start), lse)
+        p = _probabilities(_scores(qa, kb, mask, is_causal, scale, start, window), lse)
         dp = torch.matmul(doa, vb.transpose(-1, -2))
         ds = p * (dp - delta)
         dv[:, :, start:start + BLOCK] = torch.matmul(p.transpose(-1, -2), doa)
@@ -137,16 +144,18 @@ def _sum_query_heads(t: Tensor, n_kv_heads: int) -> Tensor:
 
 
 def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       mask: Tensor | None, is_causal: bool, scale: float
-                       ) -> tuple[Tensor, Tensor, Tensor]:
+                       mask: Tensor | None, is_causal: bool, scale: float,
+                       window: Window = NO_WINDOW) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) in the dtypes of q, k, v."""
-    dq, dk, dv, _ = _blocked_backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, False)
+    dq, dk, dv, _ = _blocked_backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, False,
+                                      window)
     h_kv = k.shape[1]
     return (dq.to(q.dtype), _sum_query_heads(dk, h_kv).to(k.dtype),
             _sum_query_heads(dv, h_kv).to(v.dtype))
 
 
 def attention_mask_grad(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        mask: Tensor, is_causal: bool, scale: float) -> Tensor:
+                        mask: Tensor, is_causal: bool, scale: float,
+                        window: Window = NO_WINDOW) -> Tensor:
     """Gradient of an additive float mask, (B, Hq, L, S) in float32/float64 (before broadcast sums)."""
-    return _blocked_backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, True)[3]
+    return _blocked_backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, True, window)[3]

@@ -34,6 +34,7 @@ from torch._inductor.pattern_matcher import (
 
 from dash_inductor import config, library, rewrite_fused, sites
 from dash_inductor.library import unsupported_reason
+from dash_inductor.window import NO_WINDOW
 from dash_inductor.rewrite_fused import fused_patterns
 from dash_inductor.sites import (DECIDED, SDPA_PARAMS, SiteReport, disabled_reason, example_value,
                                  explain_disabled, recorders, recording, report_site,
@@ -81,9 +82,10 @@ def _sdpa_reason(bound: dict[str, Any]) -> str | None:
 
 
 def _op_args(bound: dict[str, Any], choices: dict[str, Any]) -> tuple[Any, ...]:
-    """The rewritten call's arguments: SDPA's, then the choices baked in now (the op's order)."""
+    """The rewritten call's arguments: SDPA's, no window, then the choices baked in now (the
+    op's order)."""
     return (bound["query"], bound["key"], bound["value"], bound["attn_mask"], bound["is_causal"],
-            bound["scale"], bound["enable_gqa"], *choices.values())
+            bound["scale"], bound["enable_gqa"], NO_WINDOW, *choices.values())
 
 
 def _fake_outputs(bound: dict[str, Any], choices: dict[str, Any]) -> Any:

@@ -19,6 +19,7 @@ from torch._inductor.pattern_matcher import register_graph_pattern
 from dash_inductor import config
 from dash_inductor.library import check_schedule_allowed, unsupported_reason
 from dash_inductor.sites import DECIDED, SDPA_PARAMS, disabled_reason, example_value, report_site
+from dash_inductor.window import NO_WINDOW
 
 
 _aten = torch.ops.aten
@@ -101,7 +102,7 @@ def _rewrite_fused_attention(match: Match, *args: Any, **kwargs: Any) -> None:
     tensors = [bound["query"], bound["key"], bound["value"], bound["attn_mask"]]
     vals = [example_value(t) for t in tensors]
     choices = config.choices()
-    flags = (bool(bound["is_causal"]), bound["scale"], False, *choices.values())
+    flags = (bool(bound["is_causal"]), bound["scale"], False, NO_WINDOW, *choices.values())
     reason = disabled_reason()
     if reason is None:
         try:  # decide and compute every fake value before touching the graph

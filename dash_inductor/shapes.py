@@ -8,10 +8,13 @@ strides as the real kernels.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .window import NO_WINDOW, Window, check_window, with_causal
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Largest head dim (E and Ev) of the CUDA kernels.
@@ -24,7 +27,8 @@ class Canonical:
 
     ``q`` (B, H, L, E), ``k`` (B, Hkv, S, E), ``v`` (B, Hkv, S, Ev) and ``mask`` (B, H, L, S) may be
     ``expand``-ed views of the caller's tensors (zero strides on broadcast dims); gradients computed for
-    them are summed back to the caller's shapes by ``reduce_grad``.
+    them are summed back to the caller's shapes by ``reduce_grad``. ``window`` and ``is_causal``
+    are in ``window.with_causal``'s form: a window's right side of 0 is ``is_causal``.
     """
 
     q: Tensor
@@ -34,6 +38,7 @@ class Canonical:
     is_causal: bool
     scale: float
     three_d: bool
+    window: Window = NO_WINDOW
 
     def squeeze(self, t: Tensor) -> Tensor:
         """Drop the batch dim that 3-D inputs were given."""
@@ -120,9 +125,10 @@ def _check_mask(mask: Tensor, q: Tensor, target: tuple[int, ...], is_causal: boo
 
 def canonicalize(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                  is_causal: bool = False, scale: float | None = None,
-                 enable_gqa: bool = False) -> Canonical:
+                 enable_gqa: bool = False, window_size: Sequence[int] = NO_WINDOW) -> Canonical:
     """Validate SDPA-style arguments and bring them to the kernels' 4-D form (views, no copies)."""
     _check_tensors(q, k, v)
+    window, causal = with_causal(check_window(window_size, "dash.attention"), bool(is_causal))
     three_d = q.dim() == 3
     q4, k4, v4 = (t.unsqueeze(0) if three_d else t for t in (q, k, v))
     batch = _broadcast("the batch size", q4.shape[0], k4.shape[0])
@@ -138,9 +144,10 @@ def canonicalize(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = Non
         k=k4.expand(batch, kv_heads, s, k4.shape[3]),
         v=v4.expand(batch, kv_heads, s, v4.shape[3]),
         mask=None if attn_mask is None else attn_mask.expand(target),
-        is_causal=bool(is_causal),
+        is_causal=causal,
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         three_d=three_d,
+        window=window,
     )
 
 

@@ -1,0 +1,223 @@
+"""``varlen_attention``: packed variable-length attention with ``varlen_attn``'s signature, backed
+by the custom ops ``dash::varlen_attention`` and ``dash::varlen_attention_backward``.
+
+Like ``dash::attention`` the ops take the backward's choices (``config.CHOICES``) as their last
+arguments, captured when the forward runs, and have fake kernels and a registered autograd. Each
+sequence is computed alone (``packing.py``): on the reference by ``reference_varlen.py``, on the
+Triton path by one launch of the dense kernels per sequence, so a sequence's outputs and gradients
+are the same bits whatever is packed beside it, under every schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import config, packing, reference, reference_varlen
+from .library import _MAX_SPIN, _check_choices, _ops, _record, _uses_triton, check_schedule_allowed
+from .window import NO_WINDOW, Window, check_window
+
+try:
+    from torch.nn.attention.varlen import AuxRequest
+except ImportError:  # a PyTorch without varlen_attn
+    class AuxRequest(NamedTuple):  # type: ignore[no-redef]
+        """Which auxiliary outputs ``varlen_attention`` returns (as PyTorch's)."""
+
+        lse: bool = False
+
+_CHOICES = ('str schedule="auto", SymInt max_spin=67108864, str cpu_backend="reference", '
+            'str kernel_path="auto"')
+_PACKED = ("Tensor cu_seq_q, Tensor cu_seq_k, SymInt max_q, SymInt max_k, float? scale, "
+           "int[2] window_size, bool enable_gqa")
+
+
+def _scale(query: Tensor, scale: float | None) -> float:
+    return float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[2])
+
+
+def _forward_outputs(query: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    out = torch.empty((query.shape[0], query.shape[1], value.shape[2]), dtype=query.dtype,
+                      device=query.device)
+    lse = torch.empty((query.shape[1], query.shape[0]), device=query.device,
+                      dtype=reference.accumulation_dtype(query.dtype))
+    return out, lse
+
+
+@torch.library.custom_op(
+    "dash::varlen_attention", mutates_args=(),
+    schema=(f"(Tensor query, Tensor key, Tensor value, {_PACKED}, {_CHOICES}) "
+            "-> (Tensor, Tensor)"))
+def varlen_attention_op(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor,
+                        cu_seq_k: Tensor, max_q: int, max_k: int, scale: float | None,
+                        window_size: Sequence[int], enable_gqa: bool, schedule: str = "auto",
+                        max_spin: int = _MAX_SPIN, cpu_backend: str = "reference",
+                        kernel_path: str = "auto") -> tuple[Tensor, Tensor]:
+    raise NotImplementedError(f"dash.varlen_attention has no kernel for device "
+                              f"{query.device.type!r}; supported: cpu, cuda")
+
+
+@varlen_attention_op.register_fake
+def _varlen_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
+                 enable_gqa, schedule="auto", max_spin=_MAX_SPIN, cpu_backend="reference",
+                 kernel_path="auto"):
+    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
+    packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
+                         enable_gqa)
+    return _forward_outputs(query, value)
+
+
+def _triton_forward(query: Tensor, key: Tensor, value: Tensor, segments, scale: float,
+                    window: Window, out: Tensor, lse: Tensor, kernel_path: str) -> None:
+    """One dense forward launch per sequence, writing through views of the packed outputs."""
+    for seg in segments:
+        lq = seg.q1 - seg.q0
+        if lq == 0:
+            continue
+        if seg.k1 == seg.k0:
+            out[seg.q0:seg.q1] = 0
+            lse[:, seg.q0:seg.q1] = -math.inf
+            continue
+        keep = packing.keep(seg, window, query.device)
+        mask = None if keep is None else keep.expand(1, query.shape[1], *keep.shape)
+        lse_seq = torch.empty((1, query.shape[1], lq), dtype=torch.float32, device=query.device)
+        _record(_ops().attention_forward(
+            packing.view(query, seg.q0, seg.q1), packing.view(key, seg.k0, seg.k1),
+            packing.view(value, seg.k0, seg.k1), mask, packing.view(out, seg.q0, seg.q1),
+            lse_seq, is_causal=False, scale=scale, kernel=kernel_path))
+        lse[:, seg.q0:seg.q1] = lse_seq[0]
+
+
+@varlen_attention_op.register_kernel(("cpu", "cuda"))
+def _varlen_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
+                   enable_gqa, schedule="auto", max_spin=_MAX_SPIN, cpu_backend="reference",
+                   kernel_path="auto"):
+    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
+    window = packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
+                                  window_size, enable_gqa)
+    segments = packing.sequences(query, key, cu_seq_q, cu_seq_k, max_q, max_k)
+    out, lse = _forward_outputs(query, value)
+    if _uses_triton(query, cpu_backend):
+        _triton_forward(query, key, value, segments, _scale(query, scale), window, out, lse,
+                        kernel_path)
+    else:
+        reference_varlen.forward(query, key, value, segments, _scale(query, scale), window, out,
+                                 lse)
+    return out, lse
+
+
+@torch.library.custom_op(
+    "dash::varlen_attention_backward", mutates_args=(),
+    schema=("(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+            f"Tensor logsumexp, {_PACKED}, {_CHOICES}) -> (Tensor, Tensor, Tensor)"))
+def varlen_attention_backward_op(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
+                                 out: Tensor, logsumexp: Tensor, cu_seq_q: Tensor,
+                                 cu_seq_k: Tensor, max_q: int, max_k: int, scale: float | None,
+                                 window_size: Sequence[int], enable_gqa: bool,
+                                 schedule: str = "auto", max_spin: int = _MAX_SPIN,
+                                 cpu_backend: str = "reference", kernel_path: str = "auto"
+                                 ) -> tuple[Tensor, Tensor, Tensor]:
+    raise NotImplementedError(f"dash.varlen_attention_backward has no kernel for device "
+                              f"{query.device.type!r}; supported: cpu, cuda")
+
+
+@varlen_attention_backward_op.register_fake
+def _varlen_backward_fake(grad_out, query, key, value, out, logsumexp, cu_seq_q, cu_seq_k, max_q,
+                          max_k, scale, window_size, enable_gqa, schedule="auto",
+                          max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
+    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
+    packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
+                         enable_gqa)
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query, key, value))
+
+
+def _triton_backward(grad_out, query, key, value, out, lse, segments, scale, window, grads,
+                     schedule, max_spin, kernel_path) -> None:
+    """One dense backward launch per sequence, writing through views of the packed gradients."""
+    for seg in segments:
+        if seg.q1 == seg.q0 or seg.k1 == seg.k0:
+            continue
+        keep = packing.keep(seg, window, query.device)
+        mask = None if keep is None else keep.expand(1, query.shape[1], *keep.shape)
+        rows, cols = (seg.q0, seg.q1), (seg.k0, seg.k1)
+        dq, dk, dv = (packing.view(g, *r) for g, r in zip(grads, (rows, cols, cols)))
+        _record(_ops().attention_backward(
+            packing.view(grad_out, *rows), packing.view(query, *rows), packing.view(key, *cols),
+            packing.view(value, *cols), packing.view(out, *rows),
+            lse[None, :, seg.q0:seg.q1].contiguous(), mask, dq, dk, dv, is_causal=False,
+            scale=scale, schedule=schedule, max_spin=max_spin, kernel=kernel_path))
+
+
+@varlen_attention_backward_op.register_kernel(("cpu", "cuda"))
+def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_q, cu_seq_k, max_q,
+                            max_k, scale, window_size, enable_gqa, schedule="auto",
+                            max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
+    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
+    window = packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
+                                  window_size, enable_gqa)
+    segments = packing.sequences(query, key, cu_seq_q, cu_seq_k, max_q, max_k)
+    grads = tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+                  for t in (query, key, value))
+    if _uses_triton(query, cpu_backend):
+        _triton_backward(grad_out, query, key, value, out, logsumexp, segments,
+                         _scale(query, scale), window, grads, schedule, max_spin, kernel_path)
+    else:
+        reference_varlen.backward(grad_out, query, key, value, out, logsumexp, segments,
+                                  _scale(query, scale), window, *grads)
+    return grads
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, \
+        *choices = inputs
+    check_schedule_allowed(query, choices[0], choices[2])
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(query, key, value, out, lse, cu_seq_q, cu_seq_k)
+    ctx.args = (max_q, max_k, scale, tuple(window_size), enable_gqa, *choices)
+
+
+def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
+    query, key, value, out, lse, cu_seq_q, cu_seq_k = ctx.saved_tensors
+    dq, dk, dv = varlen_attention_backward_op(grad_out, query, key, value, out, lse, cu_seq_q,
+                                              cu_seq_k, *ctx.args)
+    return (dq, dk, dv, *(None,) * 11)
+
+
+varlen_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor,
+                     cu_seq_k: Tensor, max_q: int, max_k: int, *,
+                     return_aux: AuxRequest | None = None, scale: float | None = None,
+                     window_size: tuple[int, int] = NO_WINDOW,
+                     enable_gqa: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Deterministic ``torch.nn.attention.varlen.varlen_attn`` (same signature and meaning).
+
+    ``query`` (Tq, Hq, E), ``key`` (Tk, Hkv, E), ``value`` (Tk, Hkv, Ev) pack N sequences at the
+    int32/int64 offsets ``cu_seq_q`` / ``cu_seq_k`` (N + 1 each); ``max_q`` / ``max_k`` bound the
+    lengths. ``window_size=(left, right)`` is FlashAttention's window, aligned bottom-right per
+    sequence: (-1, -1) full, (-1, 0) causal, (W, 0) causal with W keys back. Returns the output
+    (Tq, Hq, Ev), and with ``return_aux.lse`` also the logsumexp (Hq, Tq), as ``varlen_attn``.
+
+    Checked when traced (also on fake tensors): ranks, dtypes, devices, head counts and dims,
+    offsets' dtype and shape, ``max_q``/``max_k`` non-negative, window values >= -1. Checked
+    when the kernel runs, on the offsets' values read on the host (on CUDA one synchronisation,
+    which the per-sequence launches need anyway): start at 0, non-decreasing, last = T, no length
+    above ``max_q``/``max_k``. The backward's choices are read from ``dash_inductor.config`` now.
+    """
+    choices = config.choices()
+    # Checked here too: the schema's own cast errors would not name the argument.
+    window = check_window(window_size, packing.WHERE)
+    for name, cu in (("cu_seq_q", cu_seq_q), ("cu_seq_k", cu_seq_k)):
+        if not isinstance(cu, Tensor):
+            raise ValueError(f"{packing.WHERE}: {name} must be a Tensor of cumulative sequence "
+                             f"offsets, got {type(cu).__name__}")
+    out, lse = varlen_attention_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
+                                   window, enable_gqa, *choices.values())
+    if return_aux is not None and return_aux.lse:
+        return out, lse
+    return out

@@ -1,0 +1,85 @@
+"""Sliding windows with FlashAttention's meaning: validation, the keep-mask, and its canonical form.
+
+``window_size = (left, right)``: query ``i`` attends to key ``j`` when ``i + offset - left <= j``
+(if ``left >= 0``) and ``j <= i + offset + right`` (if ``right >= 0``); -1 leaves that side open.
+``offset`` aligns the diagonal: 0 for ``dash.attention`` (top-left, like its ``is_causal``),
+``S - L`` per sequence for ``varlen_attention`` (bottom-right, as FlashAttention's kernels).
+``is_causal`` composes as in FlashAttention: it sets ``right`` to 0, i.e. the mask is the
+intersection of the causal mask and the window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+Window = tuple[int, int]
+NO_WINDOW: Window = (-1, -1)
+
+
+def check_window(window_size: Sequence[int], where: str) -> Window:
+    """``window_size`` as a (left, right) tuple of ints >= -1, or a ValueError naming it."""
+    if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence) \
+            or len(window_size) != 2:
+        raise ValueError(f"{where}: window_size must be a pair (left, right), got {window_size!r}")
+    left, right = window_size
+    for name, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}: window_size {name} must be an int, got {value!r}")
+        if value < -1:
+            raise ValueError(f"{where}: window_size values must be >= -1 (-1 = no limit on that "
+                             f"side), got window_size={tuple(window_size)}")
+    return int(left), int(right)
+
+
+def with_causal(window: Window, is_causal: bool) -> tuple[Window, bool]:
+    """(window, is_causal) in canonical form: a right side of 0 *is* the causal mask, so it moves
+    to ``is_causal`` (the kernels' causal path skips the tiles above the diagonal), and
+    ``is_causal`` intersected with any right side leaves the causal mask."""
+    left, right = window
+    if is_causal or right == 0:
+        return (left, -1), True
+    return (left, right), False
+
+
+def keep(rows: Tensor, cols: Tensor, window: Window, offset: int | Tensor = 0) -> Tensor | None:
+    """True where query ``rows`` may attend to key ``cols`` (broadcast), None for no window."""
+    left, right = window
+    result = None
+    if left >= 0:
+        result = cols >= rows + offset - left
+    if right >= 0:
+        upper = cols <= rows + offset + right
+        result = upper if result is None else result & upper
+    return result
+
+
+def dense_keep(l: int, s: int, window: Window, is_causal: bool, device: torch.device,
+               offset: int | Tensor = 0) -> Tensor | None:
+    """The (..., L, S) boolean keep-mask of a window and causal flag; None when nothing is masked.
+
+    ``offset`` may be a tensor of per-sequence offsets shaped (N, 1, 1) (varlen, padded)."""
+    rows = torch.arange(l, device=device)[:, None]
+    cols = torch.arange(s, device=device)[None, :]
+    result = keep(rows, cols, window, offset)
+    if is_causal:
+        causal = cols <= rows + offset
+        result = causal if result is None else result & causal
+    return result
+
+
+def merged_mask(mask: Tensor | None, inside: Tensor | None,
+                batch_heads: tuple[int, ...]) -> Tensor | None:
+    """``mask`` (None, bool or additive, broadcastable to (B, H, L, S)) restricted to ``inside``:
+    a boolean mask is and-ed, an additive one gets -inf outside, None becomes ``inside``."""
+    if inside is None:
+        return mask
+    if mask is None:
+        return inside.expand(*batch_heads, *inside.shape)
+    if mask.dtype == torch.bool:
+        return mask & inside
+    outside = torch.zeros((), dtype=mask.dtype, device=mask.device).masked_fill(~inside, -math.inf)
+    return mask + outside

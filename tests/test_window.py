@@ -1,0 +1,111 @@
+"""``window_size`` on dash.attention against SDPA's math backend in float64 with the equivalent
+dense mask, built here from the definition (top-left aligned; ``is_causal`` intersects)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dash_inductor
+from dash_inductor import config, pytest_plugin
+from tests._reference import sdpa_math, tolerance
+
+CI = settings.get_profile(pytest_plugin.CI_PROFILE)
+SIDE = st.one_of(st.just(-1), st.integers(0, 40))
+
+
+def window_mask(l: int, s: int, left: int, right: int, is_causal: bool) -> torch.Tensor:
+    """keep[i, j]: key j within (left, right) of query i, and j <= i when causal."""
+    i = torch.arange(l)[:, None]
+    j = torch.arange(s)[None, :]
+    keep = torch.ones(l, s, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    if is_causal:
+        keep &= j <= i
+    return keep
+
+
+@st.composite
+def problems(draw, max_len: int = 70):
+    hkv = draw(st.integers(1, 2))
+    return dict(batch=draw(st.integers(1, 2)), hq=hkv * draw(st.integers(1, 2)), hkv=hkv,
+                l=draw(st.integers(1, max_len)), s=draw(st.integers(1, max_len)),
+                e=draw(st.sampled_from([8, 16])), window=(draw(SIDE), draw(SIDE)),
+                is_causal=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+
+
+def _check(p: dict, dtype: torch.dtype, **choices) -> None:
+    gen = torch.Generator().manual_seed(p["seed"])
+    q, k, v, grad = (torch.randn(p["batch"], h, n, p["e"], generator=gen, dtype=torch.float64)
+                     for h, n in ((p["hq"], p["l"]), (p["hkv"], p["s"]), (p["hkv"], p["s"]),
+                                  (p["hq"], p["l"])))
+    q, k, v = (t.to(dtype).requires_grad_(True) for t in (q, k, v))
+    out = dash_inductor.attention(q, k, v, is_causal=p["is_causal"], window_size=p["window"],
+                                  enable_gqa=True, **choices)
+    mask = window_mask(p["l"], p["s"], *p["window"], p["is_causal"])
+    expected, leaves = sdpa_math(q, k, v, attn_mask=mask, enable_gqa=True)
+    mine = (out, *torch.autograd.grad(out, (q, k, v), grad.to(dtype)))
+    theirs = (expected, *torch.autograd.grad(expected, leaves[:3], grad))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), mine, theirs):
+        torch.testing.assert_close(a.double(), b, **tolerance(dtype),
+                                   msg=lambda m: f"{name} {p}: {m}")
+
+
+@settings(CI, max_examples=40)
+@given(p=problems())
+def test_reference_window_matches_sdpa_math(p):
+    _check(p, torch.float64)
+
+
+@pytest.mark.parametrize("schedule", config.DETERMINISTIC_SCHEDULES)
+@settings(CI, max_examples=3)
+@given(p=problems(max_len=45))
+def test_triton_window_matches_sdpa_math(schedule, p):
+    with config.patch(cpu_backend="triton"):
+        _check(p, torch.float32, schedule=schedule)
+
+
+def test_window_with_a_mask_intersects():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 30, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(30, 30, generator=gen) > 0.3
+    out = dash_inductor.attention(q, k, v, attn_mask=mask, window_size=(4, 0))
+    expected, _ = sdpa_math(q, k, v, attn_mask=mask & window_mask(30, 30, 4, 0, False))
+    torch.testing.assert_close(out, expected, **tolerance(torch.float64))
+
+
+def test_causal_window_is_right_side_zero():
+    """(W, 0) alone, (W, 0) with is_causal and (W, 5) with is_causal are one mask: bits equal."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=gen) for _ in range(3))
+    runs = [dash_inductor.attention(q, k, v, is_causal=c, window_size=w)
+            for c, w in ((False, (7, 0)), (True, (7, 0)), (True, (7, 5)))]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+@pytest.mark.parametrize("window, match", [
+    ((-2, 0), "window_size values must be >= -1"),
+    ((0, -5), "window_size values must be >= -1"),
+    ((3,), "window_size must be a pair"),
+    ("ab", "window_size must be a pair"),
+    ((1.5, 0), "window_size left must be an int"),
+])
+def test_bad_window_raises(window, match):
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=match):
+        dash_inductor.attention(q, q, q, window_size=window)
+
+
+def test_opcheck_attention_with_window():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 19, 8, generator=gen, requires_grad=True) for _ in range(3))
+    mask = torch.randn(19, 19, generator=gen, requires_grad=True)
+    torch.library.opcheck(torch.ops.dash.attention.default, (q, k, v),
+                          dict(is_causal=True, window_size=[5, -1]))
+    torch.library.opcheck(torch.ops.dash.attention.default, (q, k, v, mask),
+                          dict(window_size=[3, 2]))
