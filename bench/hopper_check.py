@@ -23,7 +23,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dash_inductor.ops import attention_forward
 from dash_inductor.ops import attention_backward as portable_backward
 from dash_inductor.ops import catalog
-from dash_inductor.ops.hopper.config import HopperBackwardConfig
 from dash_inductor.ops.hopper.launch import attention_backward as hopper_backward
 
 
@@ -116,7 +115,6 @@ def _bench(fn, shape, causal):
 def time_backward(shapes, log):
     """Backward TFLOP/s of every column on every shape; all in this one process and GPU."""
     rows = []
-    deeper = HopperBackwardConfig(stages=3, dq_stages=1)
     for shape in shapes:
         for causal in (False, True):
             q, k, v, do = _inputs(*shape)
@@ -125,8 +123,6 @@ def time_backward(shapes, log):
             for schedule in catalog.NAMES:
                 row[f"hopper {schedule}"] = _bench(
                     lambda: _hopper(q, k, v, do, out, lse, causal, schedule), shape, causal)
-            row["hopper shift (3 stages, 1 dq)"] = _bench(
-                lambda: _hopper(q, k, v, do, out, lse, causal, "shift", deeper), shape, causal)
             for schedule in ("recompute", "shift", "descending", "atomic"):
                 row[f"portable {schedule}"] = _bench(
                     lambda: _portable(q, k, v, do, out, lse, causal, schedule), shape, causal)

@@ -196,6 +196,7 @@ def _compute_partition(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                 dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=kv_layout)
                 mbarrier.wait(kv_ready, tile & 1)
                 n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
+                first = it
                 for g in range(GROUP):
                     bh = b * HQ + hkv * GROUP + g
                     for step in range(n_steps):
@@ -214,7 +215,11 @@ def _compute_partition(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                                             is_async=True)
                         dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
                                              is_async=True)
-                        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+                        # In flight: the previous step's dK, then S^T and dP^T. Waiting for S^T
+                        # also retires that dK, which frees the previous step's Q/dO stage.
+                        s_t, dk = warpgroup_mma_wait(1, deps=(s_t, dk))
+                        if it > first:
+                            mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
                         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
                         if CAUSAL:
                             p_t = gl.where(gl.expand_dims(cols, 1) <= gl.expand_dims(rows, 0), p_t, 0.0)
@@ -233,16 +238,18 @@ def _compute_partition(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False,
                                                is_async=True)
                             dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
-                            dq = warpgroup_mma_wait(1, deps=(dq, ))
+                            dq, dv, dk = warpgroup_mma_wait(1, deps=(dq, dv, dk))
                             d = it % DQ_STAGES
                             mbarrier.wait(dq_empty.index(d), ((it // DQ_STAGES) & 1) ^ 1)
                             dq_bufs.index(d).store(dq * sm_scale)
                             mbarrier.arrive(dq_ready.index(d), count=1)
                         else:
                             dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
-                        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                        mbarrier.arrive(q_empty.index(s), count=1)
-                        it += 1
+                            dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
+                        it += 1  # this step's dK stays in flight into the next step
+                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                if it > first:
+                    mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
                 mbarrier.arrive(kv_empty, count=1)
                 tile += 1
                 keys = kv * BLOCK_N + offs_kn
