@@ -7,7 +7,7 @@ registers the ops and installs the Inductor pass that rewrites SDPA into ``dash.
 ``torch.use_deterministic_algorithms``.
 """
 
-from . import config, integrations
+from . import config, distributed, integrations
 from .library import attention, unsupported_reason
 from .rewrite import explain
 from .rewrite import install as enable
@@ -16,7 +16,8 @@ from .varlen import varlen_attention
 
 enable()
 integrations.install()  # registers, never activates: see dash_inductor.integrations
+distributed.install()  # DTensor sharding rules, once torch.distributed.tensor is imported
 
-__all__ = ["attention", "config", "disable", "enable", "explain", "integrations",
+__all__ = ["attention", "config", "disable", "distributed", "enable", "explain", "integrations",
            "unsupported_reason", "varlen_attention"]
 __version__ = "0.1.0"

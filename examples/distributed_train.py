@@ -1,0 +1,332 @@
+"""Bitwise-reproducible distributed training with dash: DDP, FSDP2, tensor parallel + FSDP2.
+
+    torchrun --nproc-per-node 2 examples/distributed_train.py                # 2 GPUs (nccl), dash
+    torchrun --nproc-per-node 2 examples/distributed_train.py --sdpa         # PyTorch's SDPA instead
+    torchrun --nproc-per-node 2 examples/distributed_train.py --device cpu --modes ddp --steps 2
+
+A small GPT (causal SDPA, grouped-query attention) is compiled and trained under
+``torch.use_deterministic_algorithms(True)``, so dash_inductor's pass runs ``dash.attention``
+in place of SDPA (``--sdpa`` turns the rewrite off: PyTorch's deterministic SDPA, for the step
+times). Each mode trains twice from the same seed; every rank checks that losses and its own
+parameters (shards) are bit-identical between the runs. The modes:
+
+  ddp   DistributedDataParallel over all ranks.
+  fsdp  FSDP2 (``fully_shard``) over all ranks.
+  tp    tensor parallel on a 2-D mesh (dp, tp): q/k/v projections column-parallel with DTensor
+        outputs, so attention runs on DTensors sharded on heads (dash's sharding rule), then FSDP2
+        over dp. ``--tp`` sets the tp size (default 2; on 2 ranks the mesh is 1 x 2).
+
+Prints, per mode: the bits, dash's and SDPA's attention calls in one profiled step, step times.
+Exit status 0 when every mode reproduced on every rank (and, without --sdpa, ran dash only).
+The bits depend on the world size and layout: they repeat for the same command, not across
+different ``--nproc-per-node`` or ``--tp``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set before NCCL starts. NVLink SHARP (NVLS) reduces in the switch, and NCCL's maintainers call it
+# less deterministic than the software algorithms; symmetric-memory multicast is the same hardware.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+# NCCL picks algorithm and protocol from message size and topology, and each reduces in its own
+# order; pinning Ring keeps the order fixed by the rank ring (same as Megatron's deterministic mode).
+os.environ.setdefault("NCCL_ALGO", "Ring")
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+
+import dash_inductor  # noqa: E402
+
+MODES = ("ddp", "fsdp", "tp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    layers: int = 2
+    d_model: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    seq: int = 64
+    batch: int = 2  #: per data-parallel rank
+    vocab: int = 64
+    steps: int = 4
+    lr: float = 1e-2
+    seed: int = 0
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention with separate q/k/v projections (so each can be column-parallel)."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.head_dim, self.gqa = cfg.d_model // cfg.heads, cfg.kv_heads != cfg.heads
+        self.wq = nn.Linear(cfg.d_model, cfg.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        q, k, v = (w(x).view(b, n, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+        return self.wo(y.transpose(1, 2).reshape(b, n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class GPT(nn.Module):
+    """Returns the next-token cross-entropy of a (batch, seq) token tensor."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.positions = nn.Embedding(cfg.seq, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        x = self.tokens(inputs) + self.positions.weight[: inputs.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.norm(x)).float().flatten(0, 1), targets.flatten())
+
+
+def batch(cfg: Config, generator: torch.Generator, device: torch.device) -> Tensor:
+    """Sequences following a fixed successor map from random starts: the loss falls quickly."""
+    successor = torch.randperm(cfg.vocab, generator=torch.Generator().manual_seed(cfg.seed))
+    tokens = torch.empty((cfg.batch, cfg.seq + 1), dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, cfg.vocab, (cfg.batch,), generator=generator)
+    for t in range(1, cfg.seq + 1):
+        tokens[:, t] = successor[tokens[:, t - 1]]
+    return tokens.to(device)
+
+
+def compile_blocks(model: GPT) -> None:
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = torch.compile(block)
+
+
+def parallelize(model: GPT, mode: str, mesh: DeviceMesh) -> nn.Module:
+    """Wrap ``model`` for ``mode``; blocks are compiled after tensor parallelism, before FSDP."""
+    from torch.distributed.fsdp import fully_shard
+
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        compile_blocks(model)
+        device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    if mode == "tp":
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        heads = ColwiseParallel(use_local_output=False)  # attention sees DTensors, heads sharded
+        plan = {"attn.wq": heads, "attn.wk": heads, "attn.wv": heads,
+                "attn.wo": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], plan)
+        mesh = mesh["dp"]
+    compile_blocks(model)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def allow_sdpa_on_cpu_dtensors() -> None:
+    """Give SDPA's CPU kernel dash's sharding rules (heads, batch, replicated).
+
+    PyTorch 2.13's DTensor has strategies for SDPA's CUDA kernels only, so Dynamo cannot trace SDPA
+    on CPU DTensors. With this the CPU smoke test of ``tp`` traces it; the rewrite then puts
+    dash.attention there, and with --sdpa the CPU kernel runs per shard.
+    """
+    from torch.distributed.tensor.experimental import register_sharding
+
+    from dash_inductor.distributed import backward_rule, forward_rule
+
+    aten = torch.ops.aten
+    register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)(
+        lambda q, k, v, *_args, attn_mask=None, **_kw: forward_rule(q, k, v, attn_mask))
+    register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(
+        lambda g, q, k, v, out, lse, *_args, attn_mask=None, **_kw:
+        backward_rule(g, q, k, v, out, lse, attn_mask))
+
+
+def attention_calls(profile: torch.profiler.profile) -> Counter[str]:
+    """Attention ops that ran in a profiled step: dash's ops and PyTorch's SDPA kernels."""
+    counts: Counter[str] = Counter()
+    for event in profile.key_averages():
+        if event.key.startswith("dash::attention"):
+            counts[event.key] += event.count
+        elif "scaled_dot_product" in event.key or "flash_attention" in event.key \
+                or "efficient_attention" in event.key:
+            counts["sdpa"] += event.count
+    return counts
+
+
+@dataclasses.dataclass
+class Run:
+    losses: list[float]
+    params: dict[str, Tensor]
+    step_seconds: list[float]
+    calls: Counter[str]
+
+
+def _local(t: Tensor) -> Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def train(cfg: Config, mode: str, mesh: DeviceMesh, dp_rank: int, device: torch.device) -> Run:
+    """One run from ``cfg.seed``; step 1 is profiled to count the attention calls."""
+    torch._dynamo.reset()
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg).to(device)
+    wrapped = parallelize(model, mode, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    generator = torch.Generator().manual_seed(cfg.seed + 1 + dp_rank)
+    losses, seconds, calls = [], [], Counter()
+    for step in range(cfg.steps):
+        tokens = batch(cfg, generator, device)
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) \
+            if step == 1 else None
+        _synchronize(device)
+        start = time.perf_counter()
+        with profiler or contextlib.nullcontext():
+            loss = wrapped(tokens)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _synchronize(device)
+        seconds.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        if profiler is not None:
+            calls = attention_calls(profiler)
+    params = {name: _local(p) for name, p in model.named_parameters()}
+    return Run(losses, params, seconds, calls)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                8: torch.int64}[t.element_size()])
+
+
+def differing(a: Run, b: Run) -> list[str]:
+    """What is not bit-identical between two runs on this rank: losses and parameter names."""
+    names = [] if a.losses == b.losses else ["losses"]
+    return names + [n for n in a.params if not torch.equal(_bits(a.params[n]), _bits(b.params[n]))]
+
+
+def make_mesh(mode: str, device: torch.device, world: int, tp: int) -> tuple[DeviceMesh, int]:
+    """The mesh for ``mode`` and this rank's data-parallel index (which batch it draws)."""
+    if mode != "tp":
+        return init_device_mesh(device.type, (world,)), dist.get_rank()
+    if world % tp:
+        raise SystemExit(f"--tp {tp} must divide the world size {world}")
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return mesh, mesh["dp"].get_local_rank()
+
+
+def run_mode(cfg: Config, mode: str, device: torch.device, tp: int) -> tuple[bool, str]:
+    """Train ``mode`` twice; (reproduced on every rank and ran the expected attention, a line)."""
+    world = dist.get_world_size()
+    mesh, dp_rank = make_mesh(mode, device, world, tp)
+    runs = [train(cfg, mode, mesh, dp_rank, device) for _ in range(2)]
+    diff = differing(*runs)
+    reports: list[object] = [None] * world
+    dist.all_gather_object(reports, (dist.get_rank(), diff))
+    bad = [(rank, names) for rank, names in reports if names]  # type: ignore[misc]
+    calls = runs[0].calls
+    dash_calls = calls["dash::attention"], calls["dash::attention_backward"]
+    rewrite_on = dash_inductor.config.rewrite != "off"
+    ran_expected = (min(dash_calls) >= cfg.layers and not calls["sdpa"]) if rewrite_on \
+        else calls["sdpa"] > 0
+    timed = [s for r in runs for s in r.step_seconds[2:]] or [runs[0].step_seconds[-1]]
+    bits = "identical on every rank" if not bad else f"DIFFER {bad[:2]}"
+    line = (f"{mode:<5} {bits:<26} dash fwd/bwd {dash_calls[0]}/{dash_calls[1]}, sdpa "
+            f"{calls['sdpa']} (one step)  step {1e3 * sum(timed) / len(timed):8.2f} ms  "
+            f"loss {runs[0].losses[0]:.4f} -> {runs[0].losses[-1]:.4f}")
+    return not bad and ran_expected, line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: ddp,fsdp,tp")
+    parser.add_argument("--device", choices=("cuda", "cpu"),
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sdpa", action="store_true",
+                        help="turn the rewrite off: PyTorch's deterministic SDPA, for comparison")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the tp mode")
+    parser.add_argument("--steps", type=int, default=Config.steps)
+    parser.add_argument("--layers", type=int, default=Config.layers)
+    parser.add_argument("--d-model", type=int, default=Config.d_model)
+    parser.add_argument("--heads", type=int, default=Config.heads)
+    parser.add_argument("--kv-heads", type=int, default=Config.kv_heads)
+    parser.add_argument("--seq", type=int, default=Config.seq)
+    parser.add_argument("--batch", type=int, default=Config.batch)
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    cfg = Config(layers=args.layers, d_model=args.d_model, heads=args.heads,
+                 kv_heads=args.kv_heads, seq=args.seq, batch=args.batch, steps=args.steps)
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(args.device, local_rank) if args.device == "cuda" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device
+                            if device.type == "cuda" else None)
+    torch.use_deterministic_algorithms(True)
+    if device.type == "cpu" and "tp" in modes:
+        allow_sdpa_on_cpu_dtensors()
+    ok = True
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if rank == 0:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            print(f"torch {torch.__version__}, {world} x {name}, attention: "
+                  f"{'PyTorch SDPA' if args.sdpa else 'dash'}, {cfg}", flush=True)
+        with dash_inductor.config.patch(rewrite="off" if args.sdpa else "deterministic"):
+            for mode in modes:
+                passed, line = run_mode(cfg, mode, device, args.tp)
+                ok &= passed
+                if rank == 0:
+                    print(("OK   " if passed else "FAIL ") + line, flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
