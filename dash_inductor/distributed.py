@@ -2,8 +2,8 @@
 
 Without a rule, DTensor has no strategy for a custom op and tensor parallelism stops at attention.
 These rules offer what attention can compute locally with no communication: heads sharded (the
-tensor-parallel layout; GQA key/value heads sharded in step with the query heads), batch sharded,
-or everything replicated. For any other input placement (sequence sharded, ``Partial``), DTensor
+tensor-parallel layout; GQA key/value heads sharded in step with the query heads), batch sharded
+(dense inputs only), or everything replicated; for ``dash::varlen_attention``, heads or replicated. For any other input placement (sequence sharded, ``Partial``), DTensor
 redistributes the inputs to the cheapest of these. The op's remaining arguments (``is_causal``,
 ``scale``, ``enable_gqa`` and the backward's choices) pass through to the local op unchanged.
 
@@ -43,7 +43,7 @@ def install() -> None:
 
 
 def register() -> bool:
-    """Register the rules for the three ops now; False where PyTorch has no API for it."""
+    """Register the rules for dash's ops now; False where PyTorch has no API for it."""
     global _registered
     register_sharding = api()
     if register_sharding is None:
@@ -52,6 +52,10 @@ def register() -> bool:
         register_sharding(torch.ops.dash.attention.default)(forward_rule)
         register_sharding(torch.ops.dash.attention_backward.default)(backward_rule)
         register_sharding(torch.ops.dash.attention_mask_grad.default)(mask_grad_rule)
+        if hasattr(torch.ops.dash, "varlen_attention"):
+            register_sharding(torch.ops.dash.varlen_attention.default)(varlen_forward_rule)
+            register_sharding(torch.ops.dash.varlen_attention_backward.default)(
+                varlen_backward_rule)
         _registered = True
     return True
 
@@ -66,11 +70,13 @@ class _Layout:
     """Where the batch and head dims of q, k and the mask are, and which shardings keep every
     query head with its key/value head and every sequence with its keys."""
 
-    def __init__(self, q: Any, k: Any, mask: Any) -> None:
+    def __init__(self, q: Any, k: Any, mask: Any, packed: bool = False) -> None:
         self.q_shape, self.k_shape = tuple(q.shape), tuple(k.shape)
         self.mask_shape = None if mask is None else tuple(mask.shape)
         self.mesh_size = q.mesh.size()
-        self.head = len(self.q_shape) - 3  # also the head dim of out and logsumexp
+        self.packed = packed  # varlen: (T, H, E), sequences packed along T
+        # Dense: (B, H, L, E) or (H, L, E), the head dim also of out and logsumexp.
+        self.head = 1 if packed else len(self.q_shape) - 3
 
     def kv_dim(self, dim: int) -> str | None:
         """"shard" or "replicate" for key/value along q's ``dim`` (batch or heads), or None when
@@ -97,8 +103,9 @@ class _Layout:
         return index
 
     def dims(self) -> list[int]:
-        """q's dims that can be sharded: heads, and batch for 4-D inputs."""
-        candidates = [self.head] + ([0] if len(self.q_shape) == 4 else [])
+        """q's dims that can be sharded: heads, and batch for 4-D inputs (packed sequences
+        cannot be split at shard boundaries, so varlen shards heads only)."""
+        candidates = [self.head] + ([0] if len(self.q_shape) == 4 and not self.packed else [])
         return [d for d in candidates if self.kv_dim(d) is not None]
 
 
@@ -156,3 +163,31 @@ def mask_grad_rule(grad_out, q, k, v, out, logsumexp, attn_mask, *_args,
                            [q_side, q_side, kv_side, kv_side, q_side, q_side, mask_side]))
     return strategies
 
+
+def varlen_forward_rule(query, key, value, cu_seq_q, cu_seq_k, *_args,
+                        **_kwargs) -> list[Strategy]:
+    """(out, logsumexp) of packed (T, H, E) sequences: replicated, or sharded on heads, with
+    the offsets replicated; logsumexp is (H, T), so its heads are dim 0."""
+    _, replicate, shard = _placements()
+    layout = _Layout(query, key, None, packed=True)
+    strategies = [([replicate()] * 2, [replicate()] * 5)]
+    if layout.head in layout.dims():
+        q_side, kv_side, _ = _sides(layout, layout.head)
+        strategies.append(([q_side, shard(0)],
+                           [q_side, kv_side, kv_side, replicate(), replicate()]))
+    return strategies
+
+
+def varlen_backward_rule(grad_out, query, key, value, out, logsumexp, cu_seq_q, cu_seq_k,
+                         *_args, **_kwargs) -> list[Strategy]:
+    """(dq, dk, dv) of packed sequences, as ``backward_rule`` for the heads layout."""
+    partial, replicate, shard = _placements()
+    layout = _Layout(query, key, None, packed=True)
+    strategies = [([replicate()] * 3, [replicate()] * 8)]
+    if layout.head in layout.dims():
+        q_side, kv_side, _ = _sides(layout, layout.head)
+        grad_kv = partial() if layout.kv_dim(layout.head) == "replicate" else kv_side
+        strategies.append(([q_side, grad_kv, grad_kv],
+                           [q_side, q_side, kv_side, kv_side, q_side, shard(0), replicate(),
+                            replicate()]))
+    return strategies

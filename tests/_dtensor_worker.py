@@ -1,6 +1,6 @@
 """One rank of the DTensor sharding-rule checks (tests/test_distributed.py starts two on gloo).
 
-Every case runs dash.attention forward and backward on DTensors and on the plain tensors, and
+Every case runs dash.attention (or dash.varlen_attention) forward and backward on DTensors and on the plain tensors, and
 records the placements of the outputs and gradients, the collectives DTensor issued inside the op
 calls (CommDebugMode) and how the gathered results compare with the unsharded op. Rank 0 writes
 the records as JSON to the path given as the only argument.
@@ -18,41 +18,34 @@ import torch.distributed as dist
 import dash_inductor  # noqa: F401  (registers the ops and their sharding rules)
 
 
-def _case(mesh, q_shape, kv_shape, q_place, kv_place, *, mask_shape=None, mask_place=None,
-          mask_dtype=torch.bool, causal=False, gqa=False) -> dict[str, Any]:
+def _run(mesh, op, tensors: dict[str, Any], places: dict[str, Any], extra: tuple,
+         generator: torch.Generator) -> dict[str, Any]:
+    """``op(*tensors, *extra)`` -> (out, lse) and its backward, plain and on DTensors."""
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(shape, generator=generator) for shape in (q_shape, kv_shape, kv_shape))
-    mask = None
-    if mask_shape is not None:
-        mask = (torch.rand(mask_shape, generator=generator) > 0.3 if mask_dtype == torch.bool
-                else torch.randn(mask_shape, generator=generator))
-    plain = [t.clone().requires_grad_(t.is_floating_point()) if t is not None else None
-             for t in (q, k, v, mask)]
-    out, lse = torch.ops.dash.attention(*plain, causal, None, gqa)
+    plain = {n: None if t is None else t.clone().requires_grad_(t.is_floating_point())
+             for n, t in tensors.items()}
+    out, lse = op(*plain.values(), *extra)
     grad = torch.randn(out.shape, generator=generator)
     out.backward(grad)
 
-    places = (q_place, kv_place, kv_place, mask_place)
-    sharded = [distribute_tensor(t, mesh, [p]).requires_grad_(t.is_floating_point())
-               if t is not None else None for t, p in zip((q, k, v, mask), places)]
+    sharded = {n: None if t is None else
+               distribute_tensor(t, mesh, [places[n]]).requires_grad_(t.is_floating_point())
+               for n, t in tensors.items()}
     with CommDebugMode() as forward_comm:
-        d_out, d_lse = torch.ops.dash.attention(*sharded, causal, None, gqa)
+        d_out, d_lse = op(*sharded.values(), *extra)
     d_grad = distribute_tensor(grad, mesh, list(d_out.placements))
     with CommDebugMode() as backward_comm:
         d_out.backward(d_grad)
 
-    names = ["out", "lse", "dq", "dk", "dv"] + (["dmask"] if mask_dtype != torch.bool
-                                                  and mask is not None else [])
-    ref = [out, lse] + [t.grad for t in plain[:3]] + ([plain[3].grad] if len(names) == 6 else [])
-    got = [d_out, d_lse] + [t.grad for t in sharded[:3]] + ([sharded[3].grad]
-                                                            if len(names) == 6 else [])
+    pairs = {"out": (out, d_out), "lse": (lse, d_lse)}
+    pairs.update({f"d{n}": (t.grad, sharded[n].grad) for n, t in plain.items()
+                  if t is not None and t.requires_grad})
     record: dict[str, Any] = {"placements": {}, "bitwise": {}, "max_diff": {},
                               "comms": {"forward": forward_comm.get_total_counts(),
                                         "backward": backward_comm.get_total_counts()}}
-    for name, r, g in zip(names, ref, got):
+    for name, (r, g) in pairs.items():
         record["placements"][name] = [str(p) for p in g.placements]
         full = g.full_tensor()
         record["bitwise"][name] = torch.equal(full, r)
@@ -60,6 +53,36 @@ def _case(mesh, q_shape, kv_shape, q_place, kv_place, *, mask_shape=None, mask_p
         record["max_diff"][name] = (full[finite] - r[finite]).abs().max().item() if finite.any() \
             else 0.0
     return record
+
+
+def _case(mesh, q_shape, kv_shape, q_place, kv_place, *, mask_shape=None, mask_place=None,
+          mask_dtype=torch.bool, causal=False, gqa=False) -> dict[str, Any]:
+    """dash.attention on dense (B, H, L, E) or (H, L, E) inputs."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=generator) for shape in (q_shape, kv_shape, kv_shape))
+    mask = None
+    if mask_shape is not None:
+        mask = (torch.rand(mask_shape, generator=generator) > 0.3 if mask_dtype == torch.bool
+                else torch.randn(mask_shape, generator=generator))
+    places = {"q": q_place, "k": kv_place, "v": kv_place, "mask": mask_place}
+    return _run(mesh, torch.ops.dash.attention, {"q": q, "k": k, "v": v, "mask": mask}, places,
+                (causal, None, gqa), generator)
+
+
+def _varlen_case(mesh, heads, kv_heads, q_place, kv_place) -> dict[str, Any]:
+    """dash.varlen_attention on two packed sequences (lengths 5 and 7), causal."""
+    from torch.distributed.tensor import Replicate
+
+    generator = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    tensors = {"q": torch.randn((12, heads, 16), generator=generator),
+               "k": torch.randn((12, kv_heads, 16), generator=generator),
+               "v": torch.randn((12, kv_heads, 16), generator=generator),
+               "cu_q": cu, "cu_k": cu.clone()}
+    places = {"q": q_place, "k": kv_place, "v": kv_place, "cu_q": Replicate(),
+              "cu_k": Replicate()}
+    return _run(mesh, torch.ops.dash.varlen_attention, tensors, places,
+                (7, 7, None, [-1, 0], heads != kv_heads), generator)
 
 
 def main(path: str) -> None:
@@ -94,6 +117,9 @@ def main(path: str) -> None:
                            kv_place=Shard(1), gqa=True),
     }
     records = {name: _case(mesh, **kwargs) for name, kwargs in cases.items()}
+    records["varlen_heads"] = _varlen_case(mesh, 4, 4, Shard(1), Shard(1))
+    records["varlen_gqa"] = _varlen_case(mesh, 8, 4, Shard(1), Shard(1))
+    records["varlen_tokens"] = _varlen_case(mesh, 4, 4, Shard(0), Shard(0))
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(records, f, indent=1)

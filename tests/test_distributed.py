@@ -107,10 +107,20 @@ def test_broadcast_float_mask_gradient_is_partial(cases):
     assert case["max_diff"]["dmask"] < 1e-5
 
 
-@pytest.mark.parametrize("name", ["sequence", "gqa_uneven"])
+@pytest.mark.parametrize("name", ["varlen_heads", "varlen_gqa"])
+def test_varlen_sharded_on_heads_bitwise_without_communication(cases, name):
+    """Packed (T, H, E) sequences sharded on heads; the logsumexp (H, T) on its dim 0."""
+    case = cases[name]
+    assert _placements(case) == {"out": "S(1)", "lse": "S(0)", "dq": "S(1)", "dk": "S(1)",
+                                 "dv": "S(1)"}
+    assert all(case["bitwise"].values()), case["max_diff"]
+    assert case["comms"] == {"forward": 0, "backward": 0}
+
+
+@pytest.mark.parametrize("name", ["sequence", "gqa_uneven", "varlen_tokens"])
 def test_other_placements_are_redistributed(cases, name):
-    """Sequence sharding, and GQA heads that do not split evenly, cannot run locally: DTensor
-    gathers the inputs and the result is still the unsharded op's."""
+    """Sequence (or packed token) sharding, and GQA heads that do not split evenly, cannot run
+    locally: DTensor gathers the inputs and the result is still the unsharded op's."""
     case = cases[name]
     assert set(_placements(case).values()) == {"R"}
     assert case["comms"]["forward"] > 0
@@ -136,7 +146,8 @@ def test_rules_are_registered_on_import():
 
     strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
     for op in (torch.ops.dash.attention, torch.ops.dash.attention_backward,
-               torch.ops.dash.attention_mask_grad):
+               torch.ops.dash.attention_mask_grad, torch.ops.dash.varlen_attention,
+               torch.ops.dash.varlen_attention_backward):
         assert op.default in strategies
 
 
