@@ -151,11 +151,11 @@ def test_rules_are_registered_on_import():
         assert op.default in strategies
 
 
-def test_example_trains_bitwise_reproducibly_with_ddp_and_tensor_parallel():
+def test_example_trains_bitwise_reproducibly_with_ddp_fsdp2_and_tensor_parallel():
     """examples/distributed_train.py, compiled, deterministic, twice per mode: identical bits on
     both ranks, and the profiled step ran dash's forward and backward in each layer, no SDPA."""
     out = launch([str(ROOT / "examples" / "distributed_train.py"), "--device", "cpu",
-                  "--modes", "ddp,tp", "--steps", "2", "--seq", "32"], timeout=240)[0]
-    for mode in ("ddp", "tp"):
+                  "--modes", "ddp,fsdp,tp", "--steps", "2", "--seq", "32"], timeout=240)[0]
+    for mode in ("ddp", "fsdp", "tp"):
         assert any(line.startswith(f"OK   {mode}") and "identical on every rank" in line
                    and "dash fwd/bwd 2/2, sdpa 0" in line for line in out.splitlines()), out
