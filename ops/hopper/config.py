@@ -15,7 +15,7 @@ from ..catalog import get as get_schedule
 HEAD_DIMS = (64, 128)
 
 #: Schedules that ``kernel="auto"`` runs on the Hopper path. Measured on an H100 (docs/benchmarks.md,
-#: bf16, d64 and d128, N 4k and 16k, full, causal and GQA): the ordered schedules run 1.2-1.9x
+#: bf16, d64 and d128, N 4k and 16k, full, causal and GQA): the ordered schedules run 1.1-2.2x
 #: faster here than on the portable kernels, whose single warpgroup waits for its dQ turn on the
 #: critical path; ``recompute`` and ``atomic`` have no waits and stayed faster on the portable path.
 FASTER_ON_HOPPER = ORDERED
