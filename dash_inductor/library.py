@@ -16,9 +16,8 @@ cpu_backend, kernel, in that order after SDPA's arguments; the op calls the last
 it is captured when the forward runs and saved for the backward: ``attention`` fills them from
 the config in force at the call, the Inductor pass from the config in force at compile time. What each launch ran is kept in ``last_plans()``.
 
-``window_size`` (a sliding window, ``window.py``) comes right before the choices. Until the
-kernels learn windows, the Triton path receives the window as a boolean mask
-(``window.merged_mask``).
+``window_size`` (a sliding window, ``window.py``) comes right before the choices; the Triton
+kernels take it as (left, right) and skip the tiles outside it.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from . import config, reference
 from .ops import catalog
 from .ops.plan import Plan
 from .shapes import Canonical, canonicalize, empty_like_layout
-from .window import NO_WINDOW, check_window, dense_keep, merged_mask
+from .window import NO_WINDOW, check_window
 
 log = logging.getLogger("dash_inductor")
 #: The latest launches' plans, newest last (host-side values only: recording never syncs).
@@ -117,12 +116,6 @@ _CHOICES_SCHEMA = ('int[2] window_size=[-1, -1], str schedule="auto", SymInt max
                    'str cpu_backend="reference", str kernel_path="auto"')
 
 
-def _kernel_mask(c: Canonical) -> Tensor | None:
-    """The mask the Triton kernels take: the user's, with the window folded in as -inf."""
-    inside = dense_keep(c.q.shape[2], c.k.shape[2], c.window, False, c.q.device)
-    return merged_mask(c.mask, inside, c.q.shape[:2])
-
-
 @torch.library.custom_op(
     "dash::attention", mutates_args=(),
     schema=("(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, "
@@ -157,8 +150,8 @@ def _attention_kernel(q, k, v, attn_mask=None, is_causal=False, scale=None, enab
         out.zero_()
         lse.fill_(-math.inf)
     elif _uses_triton(q, cpu_backend):
-        _record(_ops().attention_forward(c.q, c.k, c.v, _kernel_mask(c), out, lse,
-                                         is_causal=c.is_causal, scale=c.scale, kernel=kernel_path))
+        _record(_ops().attention_forward(c.q, c.k, c.v, c.mask, out, lse, is_causal=c.is_causal,
+                                         scale=c.scale, kernel=kernel_path, window=c.window))
     else:
         ref_out, ref_lse = reference.attention_forward(c.q, c.k, c.v, c.mask, c.is_causal, c.scale,
                                                        c.window)
@@ -204,9 +197,9 @@ def _attention_backward_kernel(grad_out, q, k, v, out, logsumexp, attn_mask, is_
         for g in grads:
             g.zero_()
     elif _uses_triton(q, cpu_backend):
-        _record(_ops().attention_backward(do4, c.q, c.k, c.v, out4, lse4, _kernel_mask(c), *grads,
+        _record(_ops().attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask, *grads,
                                           is_causal=c.is_causal, scale=c.scale, schedule=schedule,
-                                          max_spin=max_spin, kernel=kernel_path))
+                                          max_spin=max_spin, kernel=kernel_path, window=c.window))
     else:
         for g, r in zip(grads, reference.attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask,
                                                             c.is_causal, c.scale, c.window)):

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .shapes import MAX_HEAD_DIM, SUPPORTED_DTYPES
-from .window import Window, check_window, dense_keep
+from .window import NO_WINDOW, Window, check_window, dense_keep, with_causal
 
 WHERE = "dash.varlen_attention"
 
@@ -138,3 +138,15 @@ def keep(seg: Segment, window: Window, device: torch.device) -> Tensor | None:
     """A sequence's (Lq, Lk) keep-mask: the window aligned bottom-right, as FlashAttention's."""
     lq, lk = seg.q1 - seg.q0, seg.k1 - seg.k0
     return dense_keep(lq, lk, window, False, device, offset=lk - lq)
+
+
+def kernel_window(seg: Segment, window: Window, heads: int, device: torch.device
+                  ) -> tuple[Tensor | None, Window, bool]:
+    """(mask, window, is_causal) for the dense kernels: where Lq = Lk bottom-right is top-left,
+    so the kernels take the window itself and skip the tiles outside it; otherwise a mask."""
+    if seg.q1 - seg.q0 == seg.k1 - seg.k0:
+        window, causal = with_causal(window, False)
+        return None, window, causal
+    inside = keep(seg, window, device)
+    mask = None if inside is None else inside.expand(1, heads, *inside.shape)
+    return mask, NO_WINDOW, False

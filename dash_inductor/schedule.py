@@ -87,6 +87,27 @@ def reduction_rank(q: int, kv: int, n_q: int, n_kv: int, causal: bool, schedule:
     return kv
 
 
+def window_q_range(kv: int, n_q: int, block: int, left: int, right: int,
+                   causal: bool) -> tuple[int, int]:
+    """(first Q tile, count) that KV tile ``kv`` meets under a (left, right) window (right >= 1
+    or -1: a right side of 0 is ``causal``); rows j - right..j + left see key j."""
+    lo = max(kv * block - right, 0) if right >= 0 else 0
+    if causal:
+        lo = max(lo, kv * block)
+    hi = min(kv * block + block - 1 + left, n_q * block - 1) if left >= 0 else n_q * block - 1
+    return lo // block, max(hi // block - lo // block + 1, 0)
+
+
+def window_q_tile_at(step: int, first: int, count: int, schedule: str) -> int:
+    """The Q tile visited at ``step`` of a window's range: descending walks it down, others up."""
+    return first + count - 1 - step if schedule == "descending" else first + step
+
+
+def window_rank(q: int, kv: int, block: int, left: int) -> int:
+    """Position of KV tile ``kv`` among Q tile ``q``'s KV tiles, ascending from the first."""
+    return kv - (max(q * block - left, 0) // block if left >= 0 else 0)
+
+
 # ---- tables ---------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -303,6 +324,36 @@ def check(schedule: str, *, n_tiles: int, causal: bool, n_q_tiles: int | None = 
             raise ScheduleError(f"{schedule}: ranks of Q tile {q} are not 0..{len(got) - 1}: {sorted(got)}")
     simulate(schedule, n_tiles=n_tiles, n_heads=n_heads, programs=programs, causal=causal,
              group=group, n_q_tiles=n_q)
+
+
+def check_window(schedule: str, *, n_q: int, n_kv: int, block: int, left: int, right: int,
+                 causal: bool) -> None:
+    """Raise unless the windowed formulas visit exactly the (Q tile, KV tile) pairs whose rows and
+    keys meet inside the window, each once, with ranks 0..k-1 per Q tile in ascending KV order
+    (the work-item order every program follows: no wait cycle, any grid)."""
+    if schedule == "shift":
+        raise ValueError("shift has no windowed ranks (the launcher falls back)")
+
+    def meets(q: int, kv: int) -> bool:
+        return any((left < 0 or j >= i - left) and (right < 0 or j <= i + right)
+                   and (not causal or j <= i)
+                   for i in range(q * block, q * block + block)
+                   for j in range(kv * block, kv * block + block))
+
+    visits = {}
+    for kv in range(n_kv):
+        first, count = window_q_range(kv, n_q, block, left, right, causal)
+        order = [window_q_tile_at(t, first, count, schedule) for t in range(count)]
+        if len(set(order)) != count:
+            raise AssertionError(f"KV tile {kv} visits {order}: a Q tile twice")
+        visits.update({(q, kv): window_rank(q, kv, block, left) for q in order})
+    needed = {(q, kv) for q in range(n_q) for kv in range(n_kv) if meets(q, kv)}
+    if set(visits) != needed:
+        raise AssertionError(f"visited {sorted(set(visits) ^ needed)} wrongly")
+    for q in range(n_q):
+        ranks = [visits[(q, kv)] for kv in range(n_kv) if (q, kv) in visits]
+        if ranks != list(range(len(ranks))):
+            raise AssertionError(f"Q tile {q} has ranks {ranks}, not 0..{len(ranks) - 1} by KV")
 
 
 def predicted_makespan(schedule: str, *, n_tiles: int, n_heads: int, programs: int, causal: bool,

@@ -81,13 +81,12 @@ def _triton_forward(query: Tensor, key: Tensor, value: Tensor, segments, scale: 
             out[seg.q0:seg.q1] = 0
             lse[:, seg.q0:seg.q1] = -math.inf
             continue
-        keep = packing.keep(seg, window, query.device)
-        mask = None if keep is None else keep.expand(1, query.shape[1], *keep.shape)
+        mask, seq_window, causal = packing.kernel_window(seg, window, query.shape[1], query.device)
         lse_seq = torch.empty((1, query.shape[1], lq), dtype=torch.float32, device=query.device)
         _record(_ops().attention_forward(
             packing.view(query, seg.q0, seg.q1), packing.view(key, seg.k0, seg.k1),
             packing.view(value, seg.k0, seg.k1), mask, packing.view(out, seg.q0, seg.q1),
-            lse_seq, is_causal=False, scale=scale, kernel=kernel_path))
+            lse_seq, is_causal=causal, scale=scale, kernel=kernel_path, window=seq_window))
         lse[:, seg.q0:seg.q1] = lse_seq[0]
 
 
@@ -140,15 +139,15 @@ def _triton_backward(grad_out, query, key, value, out, lse, segments, scale, win
     for seg in segments:
         if seg.q1 == seg.q0 or seg.k1 == seg.k0:
             continue
-        keep = packing.keep(seg, window, query.device)
-        mask = None if keep is None else keep.expand(1, query.shape[1], *keep.shape)
+        mask, seq_window, causal = packing.kernel_window(seg, window, query.shape[1], query.device)
         rows, cols = (seg.q0, seg.q1), (seg.k0, seg.k1)
         dq, dk, dv = (packing.view(g, *r) for g, r in zip(grads, (rows, cols, cols)))
         _record(_ops().attention_backward(
             packing.view(grad_out, *rows), packing.view(query, *rows), packing.view(key, *cols),
             packing.view(value, *cols), packing.view(out, *rows),
-            lse[None, :, seg.q0:seg.q1].contiguous(), mask, dq, dk, dv, is_causal=False,
-            scale=scale, schedule=schedule, max_spin=max_spin, kernel=kernel_path))
+            lse[None, :, seg.q0:seg.q1].contiguous(), mask, dq, dk, dv, is_causal=causal,
+            scale=scale, schedule=schedule, max_spin=max_spin, kernel=kernel_path,
+            window=seq_window))
 
 
 @varlen_attention_backward_op.register_kernel(("cpu", "cuda"))

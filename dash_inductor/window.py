@@ -10,7 +10,6 @@ intersection of the causal mask and the window.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -70,16 +69,3 @@ def dense_keep(l: int, s: int, window: Window, is_causal: bool, device: torch.de
         result = causal if result is None else result & causal
     return result
 
-
-def merged_mask(mask: Tensor | None, inside: Tensor | None,
-                batch_heads: tuple[int, ...]) -> Tensor | None:
-    """``mask`` (None, bool or additive, broadcastable to (B, H, L, S)) restricted to ``inside``:
-    a boolean mask is and-ed, an additive one gets -inf outside, None becomes ``inside``."""
-    if inside is None:
-        return mask
-    if mask is None:
-        return inside.expand(*batch_heads, *inside.shape)
-    if mask.dtype == torch.bool:
-        return mask & inside
-    outside = torch.zeros((), dtype=mask.dtype, device=mask.device).masked_fill(~inside, -math.inf)
-    return mask + outside

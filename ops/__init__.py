@@ -8,6 +8,9 @@ This layer knows Triton and tensors only: no torch.library, no autograd. The cal
 - ``mask``: None, or a bool (True = attend) or additive float tensor of shape (B, Hq, L, S), usually
   an ``expand``-ed view with zero strides on broadcast dims.
 - ``is_causal``: SDPA's top-left alignment, query i sees keys j <= i.
+- ``window`` (keyword, default (-1, -1)): query i sees keys i - left..i + right, -1 = that side
+  open, top-left aligned (the op passes a right side of 0 as ``is_causal``); tiles outside it are
+  never loaded.
 - ``lse``: natural-log logsumexp, fp32 (B, Hq, L); -inf on rows that see no key.
 
 The launchers are imported on first use, so that ``dash_inductor.ops.catalog`` (the schedules'

@@ -9,7 +9,10 @@ accumulator in the order fixed by the schedule's reduction rank, enforced by an 
 (b, hq, Q sub-tile) (ops/tickets.py; docs/design.md; DASH, Qiang et al. 2026, for the
 orders). The schedule and its properties (ops/catalog.py) are constexprs, so every schedule is
 this one kernel body. ``recompute``
-skips dQ there and runs the dQ kernel instead: one program per Q tile, KV tiles in ascending order.
+skips dQ there and runs the dQ kernel of ``ops/dq_pass.py`` instead.
+A sliding window (``window``, WINDOW) limits every KV tile to the contiguous range of Q tiles it
+meets, and every Q tile to its KV tiles (``schedules.window_*``): tiles outside are never loaded;
+``shift`` has no windowed ranks and falls back to the ordered schedule that runs on any grid.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from . import catalog
 from . import schedules as sch
 from .catalog import Schedule
 from .configs import arch_key, auto_schedule, backward_config, head_dim_bucket
-from .dispatch import HOPPER, select_kernel
+from .dispatch import HOPPER, PORTABLE, select_kernel
 from .launch import (coresident_programs, cooperative_launch_supported, dot_precision, interpreting,
                      mask_kind, warn_once, watch_spin_flag)
 from .plan import Plan
 from .tickets import add_in_turn, release_last
-from .tiles import load_tile, masked_scores, mm
+from .dq_pass import launch_dq_pass, load_row_stats
+from .tiles import load_tile, mm, window_keep
 
 LOG2E = 1.4426950408889634
 
@@ -67,19 +71,6 @@ def _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn,
 
 
 @triton.jit
-def _load_row_stats(LSE, DELTA, row_base, rows, L, CHECK_ROWS: tl.constexpr):
-    """Log2-domain logsumexp (+inf where a row sees no key, so its probabilities are 0) and delta."""
-    if CHECK_ROWS:
-        lse = tl.load(LSE + row_base + rows, mask=rows < L, other=float("-inf"))
-        delta = tl.load(DELTA + row_base + rows, mask=rows < L, other=0.0)
-    else:
-        lse = tl.load(LSE + row_base + rows)
-        delta = tl.load(DELTA + row_base + rows)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    return lse2, delta
-
-
-@triton.jit
 def _backward_main_kernel(
         Q, K, V, DO, LSE, DELTA, MASK, DK, DV, DQACC, TICKETS, ERR, WORK_COUNTER,
         stride_qb, stride_qh, stride_qm, stride_qe,
@@ -89,11 +80,13 @@ def _backward_main_kernel(
         stride_mb, stride_mh, stride_mm, stride_mn,
         stride_dkb, stride_dkh, stride_dkn, stride_dke,
         stride_dvb, stride_dvh, stride_dvn, stride_dve,
-        HQ, HKV, L, S, n_q, n_kv, qk_scale, sm_scale, max_spin, items_per_head, total_items,
+        HQ, HKV, L, S, n_q, n_kv, qk_scale, sm_scale, max_spin, win_left, win_right,
+        items_per_head, total_items,
         GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
         HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, EVEN_L: tl.constexpr, EVEN_S: tl.constexpr,
+        WINDOW: tl.constexpr,
         SCHEDULE: tl.constexpr, NUM_SLOTS: tl.constexpr, ORDERED: tl.constexpr,
         COMPUTE_DQ: tl.constexpr, ORDERED_WAITS: tl.constexpr, PRECISION: tl.constexpr):
     NSUB: tl.constexpr = BLOCK_N // BLOCK_M
@@ -122,7 +115,12 @@ def _backward_main_kernel(
                               not EVEN_S, EV != HEAD_EV)
                 dk = tl.zeros([BLOCK_N, HEAD_E], tl.float32)
                 dv = tl.zeros([BLOCK_N, HEAD_EV], tl.float32)
-                n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
+                if WINDOW:
+                    first, count = sch.window_q_range(kv, n_q, BLOCK_N, win_left, win_right,
+                                                      CAUSAL)
+                else:
+                    first, count = kv * 0, sch.visit_count(kv, n_q, CAUSAL)
+                n_steps = count * NSUB
                 for g in range(GROUP):
                     hq = hkv * GROUP + g
                     bh = b * HQ + hq
@@ -131,19 +129,25 @@ def _backward_main_kernel(
                     m_base = b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
                     row_base = bh.to(tl.int64) * L
                     for it in range(n_steps):
-                        qt = sch.q_tile_at(it // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
+                        if WINDOW:
+                            qt = sch.window_q_tile_at(it // NSUB, first, count, SCHEDULE)
+                        else:
+                            qt = sch.q_tile_at(it // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
                         sub = it % NSUB
                         rows = qt * BLOCK_N + sub * BLOCK_M + offs_m
                         q = load_tile(Q + q_base, rows, offs_e, stride_qm, stride_qe, L, E,
                                       not EVEN_L, E != HEAD_E)
                         do = load_tile(DO + do_base, rows, offs_ev, stride_dm, stride_de, L, EV,
                                        not EVEN_L, EV != HEAD_EV)
-                        lse2, delta = _load_row_stats(LSE, DELTA, row_base, rows, L, not EVEN_L)
+                        lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, L, not EVEN_L)
                         s_t = mm(k, tl.trans(q), PRECISION) * qk_scale
                         s_t = _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn,
                                                MASK_KIND)
                         if CAUSAL:
                             s_t = tl.where(cols[:, None] <= rows[None, :], s_t, float("-inf"))
+                        if WINDOW:
+                            s_t = tl.where(window_keep(rows[None, :], cols[:, None], win_left,
+                                                       win_right), s_t, float("-inf"))
                         p_t = tl.math.exp2(s_t - lse2[None, :])
                         if not EVEN_S:
                             p_t = tl.where(cols[:, None] < S, p_t, 0.0)
@@ -156,7 +160,10 @@ def _backward_main_kernel(
                             acc_ptrs = (DQACC + (bh.to(tl.int64) * l_pad + rows[:, None]) * HEAD_E
                                         + offs_e[None, :])
                             if ORDERED:
-                                rank = sch.reduction_rank(qt, kv, n_q, n_kv, CAUSAL, SCHEDULE)
+                                if WINDOW:
+                                    rank = sch.window_rank(qt, kv, BLOCK_N, win_left)
+                                else:
+                                    rank = sch.reduction_rank(qt, kv, n_q, n_kv, CAUSAL, SCHEDULE)
                                 ticket = TICKETS + (bh * n_q + qt) * NSUB + sub
                                 held, held_amount = add_in_turn(acc_ptrs, dq, ticket, rank, held,
                                                                 held_amount, ERR, max_spin,
@@ -170,87 +177,12 @@ def _backward_main_kernel(
                          mask=(cols[:, None] < S) & (offs_e[None, :] < E))
                 tl.store(DV + dv_base + cols[:, None] * stride_dvn + offs_ev[None, :] * stride_dve,
                          dv.to(DV.dtype.element_ty), mask=(cols[:, None] < S) & (offs_ev[None, :] < EV))
-        if CAUSAL and not ORDERED:  # items of unequal length, no waits, each item computed whole
+        if (CAUSAL or WINDOW) and not ORDERED:  # items of unequal length, no waits, whole items
             work = tl.atomic_add(WORK_COUNTER, 1, sem="relaxed") + tl.num_programs(0)
         else:  # a fixed deal: the waits rely on it (ops/schedules.py); full-mask items are equal
             work += tl.num_programs(0)
     if ORDERED:
         release_last(held, held_amount, ORDERED_WAITS)
-
-
-@triton.jit
-def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, cols, L, S, qk_scale,
-                  stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
-                  E: tl.constexpr, EV: tl.constexpr, HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
-                  CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Add one KV tile's dS K to a dQ tile (recompute schedule).
-
-    Queries stay along dim 0 throughout, so dS feeds the last dot straight from registers; the
-    transposed orientation of the main kernel would cost a shared-memory round trip per tile.
-    """
-    k = load_tile(K, cols, tl.arange(0, HEAD_E), stride_kn, stride_ke, S, E, BOUNDS, E != HEAD_E)
-    v = load_tile(V, cols, tl.arange(0, HEAD_EV), stride_vn, stride_ve, S, EV, BOUNDS, EV != HEAD_EV)
-    s = masked_scores(q, k, rows, cols, L, S, qk_scale, MASK, stride_mm, stride_mn,
-                      MASK_KIND, CAUSAL, BOUNDS, PRECISION)
-    p = tl.math.exp2(s - lse2[:, None])
-    dp = mm(do, tl.trans(v), PRECISION)
-    ds = (p * (dp - delta[:, None])).to(k.dtype)
-    return dq + mm(ds, k, PRECISION)
-
-
-@triton.jit
-def _backward_dq_kernel(
-        Q, K, V, DO, LSE, DELTA, MASK, DQ,
-        stride_qb, stride_qh, stride_qm, stride_qe,
-        stride_kb, stride_kh, stride_kn, stride_ke,
-        stride_vb, stride_vh, stride_vn, stride_ve,
-        stride_db, stride_dh, stride_dm, stride_de,
-        stride_mb, stride_mh, stride_mm, stride_mn,
-        stride_dqb, stride_dqh, stride_dqm, stride_dqe,
-        HQ, L, S, qk_scale, sm_scale,
-        GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
-        HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        EVEN_M: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr):
-    """dQ of one Q tile from all its KV tiles in ascending order (recompute schedule): no waits."""
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    hq = pid_bh % HQ
-    hkv = hq // GROUP
-    if CAUSAL:  # the last Q tiles see the most keys: launch them first, for a shorter tail
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    else:
-        start_m = tl.program_id(0) * BLOCK_M
-    rows = start_m + tl.arange(0, BLOCK_M)
-    offs_e = tl.arange(0, HEAD_E)
-    offs_ev = tl.arange(0, HEAD_EV)
-    q = load_tile(Q + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh, rows, offs_e,
-                  stride_qm, stride_qe, L, E, not EVEN_M, E != HEAD_E)
-    do = load_tile(DO + b.to(tl.int64) * stride_db + hq.to(tl.int64) * stride_dh, rows, offs_ev,
-                   stride_dm, stride_de, L, EV, not EVEN_M, EV != HEAD_EV)
-    lse2, delta = _load_row_stats(LSE, DELTA, pid_bh.to(tl.int64) * L, rows, L, not EVEN_M)
-    k_ptr = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
-    v_ptr = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
-    mask_ptr = MASK + b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
-    if CAUSAL:
-        end = tl.minimum(start_m + BLOCK_M, S)
-        full_end = tl.minimum((start_m + 1) // BLOCK_N, S // BLOCK_N) * BLOCK_N
-    else:
-        end = S
-        full_end = (S // BLOCK_N) * BLOCK_N
-    offs_n = tl.arange(0, BLOCK_N)
-    dq = tl.zeros([BLOCK_M, HEAD_E], tl.float32)
-    for start_n in range(0, full_end, BLOCK_N):
-        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
-                           L, S, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve, stride_mm,
-                           stride_mn, E, EV, HEAD_E, HEAD_EV, False, False, MASK_KIND, PRECISION)
-    for start_n in range(full_end, end, BLOCK_N):
-        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
-                           L, S, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve, stride_mm,
-                           stride_mn, E, EV, HEAD_E, HEAD_EV, CAUSAL, True, MASK_KIND, PRECISION)
-    tl.store(DQ + b.to(tl.int64) * stride_dqb + hq.to(tl.int64) * stride_dqh
-             + rows[:, None] * stride_dqm + offs_e[None, :] * stride_dqe,
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=(rows[:, None] < L) & (offs_e[None, :] < E))
 
 
 def _resolve_schedule(schedule: str, head_dim: int, dtype: torch.dtype, causal: bool, n_kv: int,
@@ -291,13 +223,16 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None,
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, is_causal: bool,
                        scale: float, schedule: str = "auto", max_spin: int = 1 << 26,
-                       kernel: str = "auto", config=None) -> Plan:
+                       kernel: str = "auto", config=None,
+                       window: tuple[int, int] = (-1, -1)) -> Plan:
     """Write the gradients of attention into ``dq``, ``dk``, ``dv``; return what ran.
 
     ``lse`` is the forward's contiguous fp32 (B, Hq, L) logsumexp. ``kernel`` picks the kernel path
     (``ops/dispatch.py``). ``config`` overrides the table's :class:`~.configs.BackwardConfig`
-    (tests and tuning only).
+    (tests and tuning only). ``window`` as in ``attention_forward``.
     """
+    window = tuple(window)
+    windowed = window != (-1, -1)
     batch, hq, seq_q, e = q.shape
     hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
     device = q.device
@@ -310,6 +245,11 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     requested = _resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, n_kv, arch)
     path, kernel_reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal,
                                         requested.name, grad_out)
+    if windowed and path == HOPPER:  # until dispatch refuses windows itself
+        if kernel == HOPPER:
+            raise ValueError("dash.attention: kernel='hopper' cannot run a sliding window; use "
+                             "kernel='auto' or 'portable'")
+        path, kernel_reason = PORTABLE, "the Hopper kernels take no sliding window"
     if path == HOPPER:
         from .hopper.launch import attention_backward as hopper_backward
 
@@ -336,11 +276,11 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             dq_acc if dq_acc is not None else delta, tickets, error_flag, work_counter,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides,
             *dk.stride(), *dv.stride(),
-            hq, hkv, seq_q, seq_k, n_q, n_kv, scale * LOG2E, scale, max_spin)
+            hq, hkv, seq_q, seq_k, n_q, n_kv, scale * LOG2E, scale, max_spin, *window)
     kwargs = dict(GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_e, HEAD_EV=head_ev,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=is_causal,
                   MASK_KIND=mask_kind(mask), EVEN_L=seq_q % cfg.block_n == 0,
-                  EVEN_S=seq_k % cfg.block_n == 0, PRECISION=precision,
+                  EVEN_S=seq_k % cfg.block_n == 0, WINDOW=windowed, PRECISION=precision,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def capacity(s: Schedule) -> int:
@@ -349,7 +289,11 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                    device)
 
     fitted, fallback = requested, None
-    if requested.coresident_head and not interpreting():
+    if windowed and requested.name == "shift":  # its ranks have no windowed form
+        fitted = catalog.get(catalog.fallback(is_causal))
+        fallback = (f"schedule 'shift' has no sliding-window ranks; using {fitted.name!r} "
+                    f"(ordered, window-aware) instead")
+    elif requested.coresident_head and not interpreting():
         fitted, fallback = fit_schedule(requested, is_causal, n_kv, capacity(requested), shape)
     items, constexprs = _schedule_launch(fitted, is_causal, n_kv, batch * hkv, waits)
     programs = min(items[1], 3 if interpreting() else capacity(fitted))
@@ -360,7 +304,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         dv[:, :, n_q * cfg.block_n:].zero_()
     if fitted.separate_dq:
         launch_dq_pass(q, k, v, grad_out, lse, delta, mask, dq, is_causal=is_causal, scale=scale,
-                       cfg=cfg)
+                       cfg=cfg, window=window)
     else:
         dq.copy_(dq_acc.view(batch, hq, n_q * cfg.block_n, head_e)[:, :, :seq_q, :e])
     if waits:
@@ -377,20 +321,3 @@ def compute_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
         out, grad_out, delta, *out.stride(), *grad_out.stride(), hq, seq_q,
         EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=block)
     return delta
-
-
-def launch_dq_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
-                   lse: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor | None,
-                   dq: torch.Tensor, *, is_causal: bool, scale: float, cfg) -> None:
-    """The ``recompute`` schedule's dQ kernel: each Q tile sums its KV tiles in ascending order."""
-    batch, hq, seq_q, e = q.shape
-    hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
-    mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
-    _backward_dq_kernel[(triton.cdiv(seq_q, cfg.dq_block_m), batch * hq)](
-        q, k, v, grad_out, lse, delta, mask_t, dq,
-        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides, *dq.stride(),
-        hq, seq_q, seq_k, scale * LOG2E, scale,
-        GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e), HEAD_EV=head_dim_bucket(ev),
-        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, EVEN_M=seq_q % cfg.dq_block_m == 0,
-        CAUSAL=is_causal, MASK_KIND=mask_kind(mask), PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages)

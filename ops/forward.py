@@ -2,8 +2,10 @@
 
 Online softmax (Dao, "FlashAttention-2", 2023) in the exp2 domain: the scores are multiplied by
 ``scale * log2(e)`` once so that every exponential is a cheap ``exp2``. Causal (top-left) attention
-skips the KV tiles entirely above the diagonal and masks only the diagonal band; user masks are
-loaded tile by tile through their (possibly zero) strides; GQA reads the KV head ``h // group``.
+skips the KV tiles entirely above the diagonal and masks only the diagonal band; a sliding
+window (``window``: left, right, -1 = open) skips the KV tiles outside it and masks the rest;
+user masks are loaded tile by tile through their (possibly zero) strides; GQA reads the KV head
+``h // group``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from .configs import arch_key, forward_config, head_dim_bucket
 from .dispatch import PORTABLE, select_kernel
 from .launch import dot_precision, mask_kind
 from .plan import Plan
-from .tiles import load_tile, masked_scores, mm
+from .tiles import load_tile, masked_scores, mm, window_key_range, window_keep
 
 LOG2E = 1.4426950408889634
 
@@ -55,11 +57,12 @@ def _attention_forward_kernel(
         stride_vb, stride_vh, stride_vn, stride_ve,
         stride_mb, stride_mh, stride_mm, stride_mn,
         stride_ob, stride_oh, stride_om, stride_oe,
-        HQ, L, S, qk_scale,
+        HQ, L, S, qk_scale, win_left, win_right,
         GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
         HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
-        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr):
+        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WINDOW: tl.constexpr,
+        PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HQ
@@ -87,7 +90,11 @@ def _attention_forward_kernel(
     else:
         end = S
         full_end = (S // BLOCK_N) * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
+    start = 0
+    if WINDOW:  # every visited tile is masked, in the second loop
+        start, end = window_key_range(start_m, end, BLOCK_M, BLOCK_N, win_left, win_right)
+        full_end = start
+    for start_n in range(start, full_end, BLOCK_N):
         s = _scores_tile(q, k_ptr, offs_m, start_n + offs_n, L, S, qk_scale,
                          mask_ptr, stride_mm, stride_mn, stride_kn, stride_ke,
                          MASK_KIND, False, False, E, HEAD_E, PRECISION)
@@ -97,6 +104,9 @@ def _attention_forward_kernel(
         s = _scores_tile(q, k_ptr, offs_m, start_n + offs_n,
                          L, S, qk_scale, mask_ptr, stride_mm, stride_mn, stride_kn, stride_ke,
                          MASK_KIND, CAUSAL, True, E, HEAD_E, PRECISION)
+        if WINDOW:
+            s = tl.where(window_keep(offs_m[:, None], (start_n + offs_n)[None, :], win_left,
+                                     win_right), s, float("-inf"))
         acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptr, start_n, offs_n, S,
                                      stride_vn, stride_ve, True, EV, HEAD_EV, PRECISION)
 
@@ -118,8 +128,12 @@ def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                       out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool, scale: float,
-                      kernel: str = "auto", config=None) -> Plan:
+                      kernel: str = "auto", config=None,
+                      window: tuple[int, int] = (-1, -1)) -> Plan:
     """Write softmax(q k^T * scale + mask) v into ``out`` and its logsumexp into ``lse``.
+
+    ``window`` = (left, right): query i sees keys i - left..i + right (-1: that side open; a
+    right side of 0 is ``is_causal``), top-left aligned; the KV tiles outside are skipped.
 
     ``lse`` must be a contiguous fp32 (B, Hq, L) tensor. ``kernel`` picks the kernel path
     (``ops/dispatch.py``). ``config`` overrides the table's :class:`~.configs.ForwardConfig`
@@ -138,9 +152,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     _attention_forward_kernel[grid](
         q, k, v, mask_t, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
-        hq, seq_q, seq_k, scale * LOG2E,
+        hq, seq_q, seq_k, scale * LOG2E, *window,
         GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e), HEAD_EV=head_dim_bucket(ev),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN_M=seq_q % cfg.block_m == 0,
-        CAUSAL=is_causal, MASK_KIND=mask_kind(mask), PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        CAUSAL=is_causal, MASK_KIND=mask_kind(mask), WINDOW=tuple(window) != (-1, -1),
+        PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan("forward", path, kernel_reason, None, None, None, grid, cfg)

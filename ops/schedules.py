@@ -100,3 +100,38 @@ def reduction_rank(q, kv, n_q, n_kv, CAUSAL: tl.constexpr, SCHEDULE: tl.constexp
     else:
         rank = kv + 0 * q
     return rank
+
+
+# ---- sliding windows (the window's right side is never 0 here: that is CAUSAL) -----------------
+# A window keeps key j for query i when i - left <= j <= i + right, i.e. j - right <= i <= j + left
+# (a side of -1 is open). The rows that see KV tile kv form one interval, so its Q tiles are a
+# contiguous range; a Q tile's KV tiles are contiguous too, and it takes them in ascending KV order
+# (the work-item order, as ``ascending``): no wait cycle, any grid. ``shift`` has no windowed ranks.
+
+@triton.jit
+def window_q_range(kv, n_q, BLOCK, left, right, CAUSAL: tl.constexpr):
+    """(first Q tile, count) of the Q tiles that KV tile ``kv`` meets under the window."""
+    lo = tl.where(right >= 0, tl.maximum(kv * BLOCK - right, 0), 0)
+    if CAUSAL:
+        lo = tl.maximum(lo, kv * BLOCK)
+    hi = tl.where(left >= 0, tl.minimum(kv * BLOCK + BLOCK - 1 + left, n_q * BLOCK - 1),
+                  n_q * BLOCK - 1)
+    first = lo // BLOCK
+    return first, tl.maximum(hi // BLOCK - first + 1, 0)
+
+
+@triton.jit
+def window_q_tile_at(step, first, count, SCHEDULE: tl.constexpr):
+    """The Q tile visited at ``step`` of a window's range: descending walks it down, others up."""
+    if SCHEDULE == DESCENDING:
+        q = first + count - 1 - step
+    else:
+        q = first + step
+    return q
+
+
+@triton.jit
+def window_rank(q, kv, BLOCK, left):
+    """Position of KV tile ``kv`` among Q tile ``q``'s KV tiles (ascending from the first)."""
+    first_kv = tl.where(left >= 0, tl.maximum(q * BLOCK - left, 0) // BLOCK, 0)
+    return kv - first_kv

@@ -63,3 +63,19 @@ def masked_scores(q, k, rows, cols, L, S, qk_scale, MASK, stride_mm, stride_mn,
     if CAUSAL:
         s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
     return s
+
+
+@triton.jit
+def window_keep(rows, cols, left, right):
+    """True where query ``rows`` may see key ``cols`` (broadcast) under a (left, right) window;
+    a side of -1 is open."""
+    return (((cols >= rows - left) | (left < 0)) & ((cols <= rows + right) | (right < 0)))
+
+
+@triton.jit
+def window_key_range(start_m, end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, left, right):
+    """[first KV tile's start, end) of the keys that query rows [start_m, start_m + BLOCK_M) can
+    see under the window, within [0, ``end``): the tiles outside are never loaded."""
+    lo = tl.where(left >= 0, tl.maximum(start_m - left, 0), 0)
+    hi = tl.where(right >= 0, tl.minimum(end, start_m + BLOCK_M + right), end)
+    return (lo // BLOCK_N) * BLOCK_N, hi

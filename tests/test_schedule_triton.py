@@ -133,3 +133,53 @@ def test_triton_schedule_functions_equal_the_model(schedule, causal):
     for n_q, n_kv in sizes:
         got = _run_kernel(schedule, causal, n_q, n_kv)
         assert got == _expected(schedule, causal, n_q, n_kv), (schedule, causal, n_q, n_kv)
+
+
+@triton.jit
+def _evaluate_window(first_out, count_out, q_out, rank_out, n_q, n_kv, block, left, right,
+                     BLOCK: tl.constexpr, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr):
+    # Every (kv, step): the window's Q range, the Q tile at that step and its rank.
+    index = tl.arange(0, BLOCK)
+    kv = index // n_q
+    step = index % n_q
+    inside = kv < n_kv
+    first, count = ops.window_q_range(kv, n_q, block, left, right, CAUSAL)
+    visited = inside & (step < count)
+    q = ops.window_q_tile_at(step, first, count, SCHEDULE)
+    rank = ops.window_rank(q, kv, block, left)
+    tl.store(first_out + index, first, mask=inside)
+    tl.store(count_out + index, count, mask=inside)
+    tl.store(q_out + index, q, mask=visited)
+    tl.store(rank_out + index, rank, mask=visited)
+
+
+WINDOWS = [(left, right, causal) for left in (-1, 0, 1, 3, 8) for right in (-1, 1, 4, 9)
+           for causal in (False, True) if not causal or right == -1]
+
+
+@pytest.mark.parametrize("schedule", [s for s in catalog.NAMES if s != "shift"])
+def test_triton_window_functions_equal_the_model(schedule):
+    n_q, n_kv, block = 6, 5, 3
+    size = triton.next_power_of_2(n_q * n_kv)
+    for left, right, causal in WINDOWS:
+        outputs = [torch.full((size,), -7, dtype=torch.int32, device=DEVICE) for _ in range(4)]
+        _evaluate_window[(1,)](*outputs, n_q, n_kv, block, left, right, BLOCK=size,
+                               CAUSAL=causal, SCHEDULE=catalog.get(schedule).id)
+        expected = [[-7] * size for _ in range(4)]
+        for kv, step in itertools.product(range(n_kv), range(n_q)):
+            index = kv * n_q + step
+            first, count = model.window_q_range(kv, n_q, block, left, right, causal)
+            expected[0][index], expected[1][index] = first, count
+            if step < count:
+                q = model.window_q_tile_at(step, first, count, schedule)
+                expected[2][index], expected[3][index] = q, model.window_rank(q, kv, block, left)
+        assert [o.tolist() for o in outputs] == expected, (schedule, left, right, causal)
+
+
+@pytest.mark.parametrize("schedule", [s for s in catalog.NAMES if s != "shift"])
+def test_window_model_visits_the_window_once_in_work_item_order(schedule):
+    for (left, right, causal), n_q, n_kv in itertools.product(WINDOWS, range(1, 7), range(1, 7)):
+        model.check_window(schedule, n_q=n_q, n_kv=n_kv, block=2, left=left, right=right,
+                           causal=causal)
+    with pytest.raises(ValueError, match="shift has no windowed ranks"):
+        model.check_window("shift", n_q=2, n_kv=2, block=2, left=1, right=-1, causal=False)

@@ -109,3 +109,33 @@ def test_opcheck_attention_with_window():
                           dict(is_causal=True, window_size=[5, -1]))
     torch.library.opcheck(torch.ops.dash.attention.default, (q, k, v, mask),
                           dict(window_size=[3, 2]))
+
+
+@pytest.mark.parametrize("schedule", config.SCHEDULES[1:])
+@pytest.mark.parametrize("window, is_causal", [((8, 0), False), ((8, 8), False), ((5, 40), True)])
+def test_triton_skips_tiles_outside_the_window(schedule, window, is_causal):
+    """A NaN in one value row reaches only the rows and keys whose tiles meet its key's tiles:
+    SDPA math (0 * NaN) and a kernel that loaded every tile would spread it everywhere."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 160, 16, generator=gen) for _ in range(3))
+    v[0, 1, 10, 3] = float("nan")
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    with config.patch(cpu_backend="triton"):
+        out = dash_inductor.attention(q, k, v, is_causal=is_causal, window_size=window,
+                                      schedule=schedule)
+        out.backward(torch.randn(out.shape, generator=gen))
+    far = slice(10 + 8 + 2 * 32 + 8, None)  # beyond the window and two tiles of any size
+    for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert t[:, :, far].isfinite().all(), f"{name} has NaN far from the poisoned key"
+    assert out[0, 1, 10].isnan().any()  # the NaN does reach the rows that see it
+
+
+@pytest.mark.parametrize("is_causal, fallback", [(False, "ascending"), (True, "descending")])
+def test_shift_falls_back_under_a_window_and_says_so(is_causal, fallback):
+    q = torch.randn(1, 2, 40, 16, requires_grad=True)
+    with config.patch(cpu_backend="triton"):
+        dash_inductor.attention(q, q, q, is_causal=is_causal, window_size=(6, -1),
+                                schedule="shift").sum().backward()
+    plan = dash_inductor.library.last_plans()[-1]
+    assert (plan.schedule_requested, plan.schedule) == ("shift", fallback)
+    assert "no sliding-window ranks" in plan.fallback

@@ -1,0 +1,134 @@
+"""The ``recompute`` schedule's dQ kernel: one program per Q tile sums dS K over its KV tiles in
+ascending order, with no waits (the main kernel of ``ops/backward.py`` then skips dQ). Also the
+per-row statistics both backward kernels load. A sliding window limits each Q tile to the KV tiles
+its rows see; the tiles outside are never loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import head_dim_bucket
+from .launch import dot_precision, mask_kind
+from .tiles import load_tile, masked_scores, mm, window_key_range, window_keep
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def load_row_stats(LSE, DELTA, row_base, rows, L, CHECK_ROWS: tl.constexpr):
+    """Log2-domain logsumexp (+inf where a row sees no key, so its probabilities are 0) and delta."""
+    if CHECK_ROWS:
+        lse = tl.load(LSE + row_base + rows, mask=rows < L, other=float("-inf"))
+        delta = tl.load(DELTA + row_base + rows, mask=rows < L, other=0.0)
+    else:
+        lse = tl.load(LSE + row_base + rows)
+        delta = tl.load(DELTA + row_base + rows)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return lse2, delta
+
+
+@triton.jit
+def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, cols, L, S, qk_scale,
+                  stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
+                  win_left, win_right,
+                  E: tl.constexpr, EV: tl.constexpr, HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
+                  CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr,
+                  WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """Add one KV tile's dS K to a dQ tile (recompute schedule).
+
+    Queries stay along dim 0 throughout, so dS feeds the last dot straight from registers; the
+    transposed orientation of the main kernel would cost a shared-memory round trip per tile.
+    """
+    k = load_tile(K, cols, tl.arange(0, HEAD_E), stride_kn, stride_ke, S, E, BOUNDS, E != HEAD_E)
+    v = load_tile(V, cols, tl.arange(0, HEAD_EV), stride_vn, stride_ve, S, EV, BOUNDS, EV != HEAD_EV)
+    s = masked_scores(q, k, rows, cols, L, S, qk_scale, MASK, stride_mm, stride_mn,
+                      MASK_KIND, CAUSAL, BOUNDS, PRECISION)
+    if WINDOW:
+        s = tl.where(window_keep(rows[:, None], cols[None, :], win_left, win_right), s,
+                     float("-inf"))
+    p = tl.math.exp2(s - lse2[:, None])
+    dp = mm(do, tl.trans(v), PRECISION)
+    ds = (p * (dp - delta[:, None])).to(k.dtype)
+    return dq + mm(ds, k, PRECISION)
+
+
+@triton.jit
+def _backward_dq_kernel(
+        Q, K, V, DO, LSE, DELTA, MASK, DQ,
+        stride_qb, stride_qh, stride_qm, stride_qe,
+        stride_kb, stride_kh, stride_kn, stride_ke,
+        stride_vb, stride_vh, stride_vn, stride_ve,
+        stride_db, stride_dh, stride_dm, stride_de,
+        stride_mb, stride_mh, stride_mm, stride_mn,
+        stride_dqb, stride_dqh, stride_dqm, stride_dqe,
+        HQ, L, S, qk_scale, sm_scale, win_left, win_right,
+        GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
+        HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        EVEN_M: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WINDOW: tl.constexpr,
+        PRECISION: tl.constexpr):
+    """dQ of one Q tile from all its KV tiles in ascending order (recompute schedule): no waits."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    hq = pid_bh % HQ
+    hkv = hq // GROUP
+    if CAUSAL:  # the last Q tiles see the most keys: launch them first, for a shorter tail
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    else:
+        start_m = tl.program_id(0) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, HEAD_E)
+    offs_ev = tl.arange(0, HEAD_EV)
+    q = load_tile(Q + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh, rows, offs_e,
+                  stride_qm, stride_qe, L, E, not EVEN_M, E != HEAD_E)
+    do = load_tile(DO + b.to(tl.int64) * stride_db + hq.to(tl.int64) * stride_dh, rows, offs_ev,
+                   stride_dm, stride_de, L, EV, not EVEN_M, EV != HEAD_EV)
+    lse2, delta = load_row_stats(LSE, DELTA, pid_bh.to(tl.int64) * L, rows, L, not EVEN_M)
+    k_ptr = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_ptr = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    mask_ptr = MASK + b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
+    if CAUSAL:
+        end = tl.minimum(start_m + BLOCK_M, S)
+        full_end = tl.minimum((start_m + 1) // BLOCK_N, S // BLOCK_N) * BLOCK_N
+    else:
+        end = S
+        full_end = (S // BLOCK_N) * BLOCK_N
+    start = 0
+    if WINDOW:  # every visited tile is masked, in the second loop
+        start, end = window_key_range(start_m, end, BLOCK_M, BLOCK_N, win_left, win_right)
+        full_end = start
+    offs_n = tl.arange(0, BLOCK_N)
+    dq = tl.zeros([BLOCK_M, HEAD_E], tl.float32)
+    for start_n in range(start, full_end, BLOCK_N):
+        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
+                           L, S, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve, stride_mm,
+                           stride_mn, win_left, win_right, E, EV, HEAD_E, HEAD_EV, False, False,
+                           MASK_KIND, False, PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):
+        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
+                           L, S, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve, stride_mm,
+                           stride_mn, win_left, win_right, E, EV, HEAD_E, HEAD_EV, CAUSAL, True,
+                           MASK_KIND, WINDOW, PRECISION)
+    tl.store(DQ + b.to(tl.int64) * stride_dqb + hq.to(tl.int64) * stride_dqh
+             + rows[:, None] * stride_dqm + offs_e[None, :] * stride_dqe,
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=(rows[:, None] < L) & (offs_e[None, :] < E))
+
+
+def launch_dq_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                   lse: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor | None,
+                   dq: torch.Tensor, *, is_causal: bool, scale: float, cfg,
+                   window: tuple[int, int] = (-1, -1)) -> None:
+    """The ``recompute`` schedule's dQ kernel: each Q tile sums its KV tiles in ascending order."""
+    batch, hq, seq_q, e = q.shape
+    hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
+    mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
+    _backward_dq_kernel[(triton.cdiv(seq_q, cfg.dq_block_m), batch * hq)](
+        q, k, v, grad_out, lse, delta, mask_t, dq,
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides, *dq.stride(),
+        hq, seq_q, seq_k, scale * LOG2E, scale, *window,
+        GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e), HEAD_EV=head_dim_bucket(ev),
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, EVEN_M=seq_q % cfg.dq_block_m == 0,
+        CAUSAL=is_causal, MASK_KIND=mask_kind(mask), WINDOW=tuple(window) != (-1, -1),
+        PRECISION=dot_precision(q.dtype), num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages)
