@@ -38,6 +38,7 @@ import methods as m  # noqa: E402
 import outdir  # noqa: E402
 import report  # noqa: E402
 from dash_inductor.demo import ProgressBar, quiet_cache_key_warnings  # noqa: E402
+from dash_inductor.ops import catalog  # noqa: E402
 
 CONTEXT_LOST = 3  #: the worker's exit status after a CUDA error that poisons the process
 
@@ -132,8 +133,11 @@ def measure_one(problem: m.Problem, method: m.Method, inputs, dash_forward_ms: f
 
 def worker(args: argparse.Namespace, tasks: list[tuple[m.Problem, m.Method]]) -> int:
     """Measure ``tasks[args.start:]``, appending JSON lines to ``args.rows_file``."""
+    import dash_inductor
+
+    dash_inductor.config.kernel = args.kernel  # dash's kernel path for every dash method
     with open(args.rows_file, "a") as sink, quiet_cache_key_warnings():
-        sink.write(json.dumps({"environment": environment()}) + "\n")
+        sink.write(json.dumps({"environment": {**environment(), "kernel": args.kernel}}) + "\n")
         bar = ProgressBar(len(tasks), "bench")
         bar.done = args.start
         current, inputs, dash_forward_ms = None, None, None
@@ -202,6 +206,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seqs", default=",".join(map(str, m.SEQS)), help="comma-separated")
     parser.add_argument("--methods", default=",".join(x.name for x in m.METHODS),
                         help="comma-separated subset of: " + ", ".join(x.name for x in m.METHODS))
+    parser.add_argument("--kernel", default="auto", choices=catalog.KERNELS,
+                        help="dash's kernel path (dash_inductor.config.kernel; default auto)")
     parser.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms (default 10)")
     parser.add_argument("--rep", type=int, default=40, help="do_bench measuring time, ms (default 40)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
