@@ -64,6 +64,12 @@ class Config:
     steps: int = 4
     lr: float = 1e-2
     seed: int = 0
+    dtype: str = "float32"
+
+
+#: Sizes for GPUs, where the step times should show attention (head dim 64, GQA 2:1).
+CUDA_DEFAULTS = {"layers": 4, "d_model": 1024, "heads": 16, "kv_heads": 8, "seq": 2048,
+                 "batch": 4, "steps": 8, "lr": 3e-3, "dtype": "bfloat16"}
 
 
 class Attention(nn.Module):
@@ -205,7 +211,7 @@ def train(cfg: Config, mode: str, mesh: DeviceMesh, dp_rank: int, device: torch.
     """One run from ``cfg.seed``; step 1 is profiled to count the attention calls."""
     torch._dynamo.reset()
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg).to(device)
+    model = GPT(cfg).to(device=device, dtype=getattr(torch, cfg.dtype))
     wrapped = parallelize(model, mode, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     generator = torch.Generator().manual_seed(cfg.seed + 1 + dp_rank)
@@ -286,19 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sdpa", action="store_true",
                         help="turn the rewrite off: PyTorch's deterministic SDPA, for comparison")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the tp mode")
-    parser.add_argument("--steps", type=int, default=Config.steps)
-    parser.add_argument("--layers", type=int, default=Config.layers)
-    parser.add_argument("--d-model", type=int, default=Config.d_model)
-    parser.add_argument("--heads", type=int, default=Config.heads)
-    parser.add_argument("--kv-heads", type=int, default=Config.kv_heads)
-    parser.add_argument("--seq", type=int, default=Config.seq)
-    parser.add_argument("--batch", type=int, default=Config.batch)
+    sizes = ("steps", "layers", "d_model", "heads", "kv_heads", "seq", "batch")
+    for name in sizes:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int,
+                            help="default: Config's on CPU, CUDA_DEFAULTS' on CUDA")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    cfg = Config(layers=args.layers, d_model=args.d_model, heads=args.heads,
-                 kv_heads=args.kv_heads, seq=args.seq, batch=args.batch, steps=args.steps)
+    given = {name: getattr(args, name) for name in (*sizes, "dtype")
+             if getattr(args, name) is not None}
+    cfg = Config(**{**(CUDA_DEFAULTS if args.device == "cuda" else {}), **given})
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(args.device, local_rank) if args.device == "cuda" \

@@ -151,11 +151,13 @@ def test_rules_are_registered_on_import():
         assert op.default in strategies
 
 
-def test_example_trains_bitwise_reproducibly_with_ddp_fsdp2_and_tensor_parallel():
+@pytest.mark.parametrize("modes", ["ddp,tp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_example_trains_bitwise_reproducibly(modes):
     """examples/distributed_train.py, compiled, deterministic, twice per mode: identical bits on
-    both ranks, and the profiled step ran dash's forward and backward in each layer, no SDPA."""
+    both ranks, and the profiled step ran dash's forward and backward in each layer, no SDPA.
+    (FSDP2 is ``slow``: with a cold compile cache the three modes take over 100 s on 2 cores.)"""
     out = launch([str(ROOT / "examples" / "distributed_train.py"), "--device", "cpu",
-                  "--modes", "ddp,fsdp,tp", "--steps", "2", "--seq", "32"], timeout=240)[0]
-    for mode in ("ddp", "fsdp", "tp"):
+                  "--modes", modes, "--steps", "2", "--seq", "32"], timeout=240)[0]
+    for mode in modes.split(","):
         assert any(line.startswith(f"OK   {mode}") and "identical on every rank" in line
                    and "dash fwd/bwd 2/2, sdpa 0" in line for line in out.splitlines()), out
