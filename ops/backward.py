@@ -25,7 +25,7 @@ from . import catalog
 from . import schedules as sch
 from .catalog import Schedule
 from .configs import arch_key, auto_schedule, backward_config, head_dim_bucket
-from .dispatch import HOPPER, PORTABLE, select_kernel
+from .dispatch import HOPPER, select_kernel
 from .launch import (coresident_programs, cooperative_launch_supported, dot_precision, interpreting,
                      mask_kind, warn_once, watch_spin_flag)
 from .plan import Plan
@@ -244,12 +244,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
     requested = _resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, n_kv, arch)
     path, kernel_reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal,
-                                        requested.name, grad_out)
-    if windowed and path == HOPPER:  # until dispatch refuses windows itself
-        if kernel == HOPPER:
-            raise ValueError("dash.attention: kernel='hopper' cannot run a sliding window; use "
-                             "kernel='auto' or 'portable'")
-        path, kernel_reason = PORTABLE, "the Hopper kernels take no sliding window"
+                                        requested.name, grad_out, window)
     if path == HOPPER:
         from .hopper.launch import attention_backward as hopper_backward
 

@@ -139,7 +139,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     (``ops/dispatch.py``). ``config`` overrides the table's :class:`~.configs.ForwardConfig`
     (tests and tuning only). Returns what ran.
     """
-    path, kernel_reason = select_kernel(kernel, "forward", q, k, v, mask, is_causal)
+    path, kernel_reason = select_kernel(kernel, "forward", q, k, v, mask, is_causal, window=window)
     if path != PORTABLE:
         raise ValueError(f"dash attention forward: no launcher for kernel path {path!r}")
     batch, hq, seq_q, e = q.shape

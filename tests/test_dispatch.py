@@ -45,6 +45,15 @@ def test_named_paths(hopper_takes_it):
         dispatch.select_kernel("fast", "backward", *_qkv(), None, False, "shift")
 
 
+def test_a_window_stays_portable_and_hopper_refuses_it():
+    for op in ("forward", "backward"):
+        with pytest.raises(ValueError, match="no sliding window"):
+            dispatch.select_kernel("hopper", op, *_qkv(), None, True, "shift", window=(128, 0))
+    path, reason = dispatch.select_kernel("auto", "backward", *_qkv(), None, True, "shift",
+                                          window=(128, 0))
+    assert path == dispatch.PORTABLE and "window_size=(128, 0)" in reason
+
+
 def test_hopper_refused_with_the_reason_on_cpu():
     with pytest.raises(ValueError, match="kernel='hopper' cannot run this attention: device 'cpu'"):
         dispatch.select_kernel("hopper", "forward", *_qkv(), None, False)

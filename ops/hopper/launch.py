@@ -16,7 +16,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import catalog
-from ..backward import LOG2E, compute_delta, fit_schedule, launch_dq_pass
+from ..backward import LOG2E, compute_delta, fit_schedule
+from ..dq_pass import launch_dq_pass
 from ..configs import backward_config as portable_backward_config
 from ..launch import watch_spin_flag
 from ..plan import Plan

@@ -142,3 +142,15 @@ def test_exceeded_spin_bound_raises():
         _ours(q, k, v, do, False, "ascending", max_spin=1)
         check_spin_flags(wait=True)
     _close_to_recompute(q, k, v, do, False, "ascending")  # the next call is unaffected
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_reaches_the_same_outputs_and_gradients_as_sdpa(where):
+    """One NaN input entry spreads to exactly the entries of out, dq, dk, dv it reaches in SDPA."""
+    q, k, v, do = _inputs(1, 4, 4, 512, 64, seed=6)
+    {"q": q, "k": k, "v": v}[where][0, 1, 100, 7] = float("nan")
+    ours = _ours(q, k, v, do, False, "shift")
+    theirs = _sdpa_math(q, k, v, do, False, torch.float32)
+    assert ours[0].isnan().any()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, theirs):
+        assert torch.equal(a.isnan(), b.isnan()), name
