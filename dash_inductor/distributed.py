@@ -1,20 +1,22 @@
-"""DTensor sharding rules for ``dash::attention`` and its backward ops.
+"""DTensor sharding rules for dash's ops (``dash::attention``, ``dash::varlen_attention`` and
+their backward ops).
 
 Without a rule, DTensor has no strategy for a custom op and tensor parallelism stops at attention.
 These rules offer what attention can compute locally with no communication: heads sharded (the
 tensor-parallel layout; GQA key/value heads sharded in step with the query heads), batch sharded
-(dense inputs only), or everything replicated; for ``dash::varlen_attention``, heads or replicated. For any other input placement (sequence sharded, ``Partial``), DTensor
-redistributes the inputs to the cheapest of these. The op's remaining arguments (``is_causal``,
-``scale``, ``enable_gqa`` and the backward's choices) pass through to the local op unchanged.
+(dense inputs only), or everything replicated. For any other input placement (sequence sharded,
+``Partial``), DTensor redistributes the inputs to the cheapest of these. The remaining arguments
+(``is_causal``, ``scale``, ``enable_gqa``, ``window_size``, the backward's choices) pass through to
+the local op unchanged.
 
-They are registered with ``torch.distributed.tensor.experimental.register_sharding`` (public and
-experimental since torch 2.5; feature-detected), when ``torch.distributed.tensor`` is imported, so
-``import dash_inductor`` does not import it.
+They are registered with ``torch.distributed.tensor.experimental.register_sharding`` (public,
+experimental; torch 2.13 has it, and it is feature-detected) when ``torch.distributed.tensor`` is
+imported, so importing dash_inductor does not import DTensor for programs that never use it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 

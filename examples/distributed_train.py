@@ -1,7 +1,7 @@
 """Bitwise-reproducible distributed training with dash: DDP, FSDP2, tensor parallel + FSDP2.
 
     torchrun --nproc-per-node 2 examples/distributed_train.py                # 2 GPUs (nccl), dash
-    torchrun --nproc-per-node 2 examples/distributed_train.py --sdpa         # PyTorch's SDPA instead
+    torchrun --nproc-per-node 2 examples/distributed_train.py --sdpa         # PyTorch's SDPA
     torchrun --nproc-per-node 2 examples/distributed_train.py --device cpu --modes ddp --steps 2
 
 A small GPT (causal SDPA, grouped-query attention) is compiled and trained under
@@ -31,7 +31,7 @@ import os
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 # NCCL picks algorithm and protocol from message size and topology, and each reduces in its own
-# order; pinning Ring keeps the order fixed by the rank ring (same as Megatron's deterministic mode).
+# order; pinning Ring keeps it fixed by the rank ring (as Megatron's deterministic mode does).
 os.environ.setdefault("NCCL_ALGO", "Ring")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode
 
@@ -73,7 +73,7 @@ CUDA_DEFAULTS = {"layers": 4, "d_model": 1024, "heads": 16, "kv_heads": 8, "seq"
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention with separate q/k/v projections (so each can be column-parallel)."""
+    """Causal GQA self-attention, q/k/v projected separately so each can be column-parallel."""
 
     def __init__(self, cfg: Config) -> None:
         super().__init__()

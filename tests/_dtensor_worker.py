@@ -1,9 +1,9 @@
 """One rank of the DTensor sharding-rule checks (tests/test_distributed.py starts two on gloo).
 
-Every case runs dash.attention (or dash.varlen_attention) forward and backward on DTensors and on the plain tensors, and
-records the placements of the outputs and gradients, the collectives DTensor issued inside the op
-calls (CommDebugMode) and how the gathered results compare with the unsharded op. Rank 0 writes
-the records as JSON to the path given as the only argument.
+Every case runs dash.attention (or dash.varlen_attention) forward and backward on DTensors and
+on the plain tensors, and records the placements of the outputs and gradients, the collectives
+DTensor issued inside the op calls (CommDebugMode) and how the gathered results compare with the
+unsharded op. Rank 0 writes the records as JSON to the path given as the only argument.
 """
 
 from __future__ import annotations
