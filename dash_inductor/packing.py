@@ -137,7 +137,7 @@ def view(t: Tensor, start: int, stop: int) -> Tensor:
 def keep(seg: Segment, window: Window, device: torch.device) -> Tensor | None:
     """A sequence's (Lq, Lk) keep-mask: the window aligned bottom-right, as FlashAttention's."""
     lq, lk = seg.q1 - seg.q0, seg.k1 - seg.k0
-    return dense_keep(lq, lk, window, False, device, offset=lk - lq)
+    return dense_keep(lq, lk, window, device, offset=lk - lq)
 
 
 def kernel_window(seg: Segment, window: Window, heads: int, device: torch.device

@@ -44,7 +44,7 @@ def with_causal(window: Window, is_causal: bool) -> tuple[Window, bool]:
     return (left, right), False
 
 
-def keep(rows: Tensor, cols: Tensor, window: Window, offset: int | Tensor = 0) -> Tensor | None:
+def keep(rows: Tensor, cols: Tensor, window: Window, offset: int = 0) -> Tensor | None:
     """True where query ``rows`` may attend to key ``cols`` (broadcast), None for no window."""
     left, right = window
     result = None
@@ -56,16 +56,10 @@ def keep(rows: Tensor, cols: Tensor, window: Window, offset: int | Tensor = 0) -
     return result
 
 
-def dense_keep(l: int, s: int, window: Window, is_causal: bool, device: torch.device,
-               offset: int | Tensor = 0) -> Tensor | None:
-    """The (..., L, S) boolean keep-mask of a window and causal flag; None when nothing is masked.
-
-    ``offset`` may be a tensor of per-sequence offsets shaped (N, 1, 1) (varlen, padded)."""
+def dense_keep(l: int, s: int, window: Window, device: torch.device,
+               offset: int = 0) -> Tensor | None:
+    """The (L, S) boolean keep-mask of a window; None when the window masks nothing."""
     rows = torch.arange(l, device=device)[:, None]
     cols = torch.arange(s, device=device)[None, :]
-    result = keep(rows, cols, window, offset)
-    if is_causal:
-        causal = cols <= rows + offset
-        result = causal if result is None else result & causal
-    return result
+    return keep(rows, cols, window, offset)
 
