@@ -261,6 +261,25 @@ def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def forbid_double_backward(op, name: str) -> None:
+    """Give a backward op an autograd formula that raises a clear error: its kernels have no
+    derivative of their own, and PyTorch's generic "no autograd formula" message names none of
+    what a user can do instead."""
+
+    def refuse(ctx, *grads):
+        raise RuntimeError(
+            f"{name} has no double backward (a gradient of its gradients, e.g. after "
+            f"torch.autograd.grad(..., create_graph=True)): its backward is a deterministic kernel "
+            f"without a derivative. For higher-order gradients use "
+            f"torch.nn.functional.scaled_dot_product_attention's math backend.")
+
+    op.register_autograd(refuse, setup_context=lambda ctx, inputs, output: None)
+
+
+forbid_double_backward(attention_backward_op, "dash.attention")
+forbid_double_backward(attention_mask_grad_op, "dash.attention (its mask gradient)")
+
+
 def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
               window_size: tuple[int, int] = NO_WINDOW, schedule: str | None = None,

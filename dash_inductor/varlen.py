@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from . import config, packing, reference, reference_varlen
-from .library import _MAX_SPIN, _check_choices, _ops, _record, _uses_triton, check_schedule_allowed
+from .library import (_MAX_SPIN, _check_choices, _ops, _record, _uses_triton, check_schedule_allowed,
+                      forbid_double_backward)
 from .window import NO_WINDOW, Window, check_window
 
 try:
@@ -187,6 +188,7 @@ def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
 
 
 varlen_attention_op.register_autograd(_backward, setup_context=_setup_context)
+forbid_double_backward(varlen_attention_backward_op, "dash.varlen_attention")
 
 
 def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor,
