@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .configs import head_dim_bucket
 from .launch import dot_precision, mask_kind
-from .tiles import load_tile, masked_scores, mm, window_key_range, window_keep
+from .tiles import key_tile_range, load_tile, masked_scores, mm, window_keep
 
 LOG2E = 1.4426950408889634
 
@@ -89,16 +89,8 @@ def _backward_dq_kernel(
     k_ptr = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
     v_ptr = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
     mask_ptr = MASK + b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
-    if CAUSAL:
-        end = tl.minimum(start_m + BLOCK_M, S)
-        full_end = tl.minimum((start_m + 1) // BLOCK_N, S // BLOCK_N) * BLOCK_N
-    else:
-        end = S
-        full_end = (S // BLOCK_N) * BLOCK_N
-    start = 0
-    if WINDOW:  # every visited tile is masked, in the second loop
-        start, end = window_key_range(start_m, end, BLOCK_M, BLOCK_N, win_left, win_right)
-        full_end = start
+    start, full_end, end = key_tile_range(start_m, S, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                          win_left, win_right)
     offs_n = tl.arange(0, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_E], tl.float32)
     for start_n in range(start, full_end, BLOCK_N):

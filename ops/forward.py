@@ -18,7 +18,7 @@ from .configs import arch_key, forward_config, head_dim_bucket
 from .dispatch import PORTABLE, select_kernel
 from .launch import dot_precision, mask_kind
 from .plan import Plan
-from .tiles import load_tile, masked_scores, mm, window_key_range, window_keep
+from .tiles import key_tile_range, load_tile, masked_scores, mm, window_keep
 
 LOG2E = 1.4426950408889634
 
@@ -83,17 +83,8 @@ def _attention_forward_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_EV], tl.float32)
 
-    # KV tiles [0, full_end) need neither causal nor bounds masking; [full_end, end) need both.
-    if CAUSAL:
-        end = tl.minimum(start_m + BLOCK_M, S)
-        full_end = tl.minimum((start_m + 1) // BLOCK_N, S // BLOCK_N) * BLOCK_N
-    else:
-        end = S
-        full_end = (S // BLOCK_N) * BLOCK_N
-    start = 0
-    if WINDOW:  # every visited tile is masked, in the second loop
-        start, end = window_key_range(start_m, end, BLOCK_M, BLOCK_N, win_left, win_right)
-        full_end = start
+    start, full_end, end = key_tile_range(start_m, S, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                          win_left, win_right)
     for start_n in range(start, full_end, BLOCK_N):
         s = _scores_tile(q, k_ptr, offs_m, start_n + offs_n, L, S, qk_scale,
                          mask_ptr, stride_mm, stride_mn, stride_kn, stride_ke,

@@ -73,6 +73,25 @@ def window_keep(rows, cols, left, right):
 
 
 @triton.jit
+def key_tile_range(start_m, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, win_left, win_right):
+    """The keys that query rows [start_m, start_m + BLOCK_M) visit, for kernels that keep queries
+    along dim 0 (the forward and the dQ pass): tiles in [start, full_end) need no causal, bounds or
+    window masking, tiles in [full_end, end) need them; keys past ``end`` are never loaded."""
+    if CAUSAL:
+        end = tl.minimum(start_m + BLOCK_M, S)
+        full_end = tl.minimum((start_m + 1) // BLOCK_N, S // BLOCK_N) * BLOCK_N
+    else:
+        end = S
+        full_end = (S // BLOCK_N) * BLOCK_N
+    start = 0
+    if WINDOW:  # every visited tile is masked, in the second loop
+        start, end = window_key_range(start_m, end, BLOCK_M, BLOCK_N, win_left, win_right)
+        full_end = start
+    return start, full_end, end
+
+
+@triton.jit
 def window_key_range(start_m, end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, left, right):
     """[first KV tile's start, end) of the keys that query rows [start_m, start_m + BLOCK_M) can
     see under the window, within [0, ``end``): the tiles outside are never loaded."""
