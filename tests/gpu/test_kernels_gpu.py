@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import dash_inductor
 from dash_inductor.ops import attention_backward, attention_forward
 from dash_inductor.ops import catalog
 from dash_inductor.ops.catalog import DETERMINISTIC, ORDERED
@@ -154,3 +155,30 @@ def test_nan_reaches_the_same_outputs_and_gradients_as_sdpa(where):
     assert ours[0].isnan().any()
     for name, a, b in zip(("out", "dq", "dk", "dv"), ours, theirs):
         assert torch.equal(a.isnan(), b.isnan()), name
+
+
+@pytest.mark.parametrize("schedule", DETERMINISTIC)
+@pytest.mark.parametrize("window,causal", [((300, 0), True), ((200, 150), False)], ids=str)
+def test_window_follows_the_flash_rule(window, causal, schedule):
+    """A sliding window on the GPU (the portable kernels skip the tiles outside it) against SDPA's
+    math with the equivalent dense mask; the Hopper path refuses windows by design."""
+    if KERNEL == "hopper":
+        pytest.skip("the Hopper kernels take no window (dispatch refuses it)")
+    q, k, v, do = _inputs(2, 4, 2, 1000, 64, seed=7)
+    left, right = window
+    rows, cols = torch.arange(1000, device="cuda")[:, None], torch.arange(1000, device="cuda")[None]
+    keep = (cols >= rows - left) & (cols <= rows + (0 if causal else right))
+
+    def dense(dtype):
+        qd, kd, vd = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=keep, enable_gqa=True)
+        out.backward(do.to(dtype))
+        return out.detach(), qd.grad, kd.grad, vd.grad
+
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    out = dash_inductor.attention(qg, kg, vg, is_causal=causal, enable_gqa=True,
+                                  window_size=window, schedule=schedule, kernel=KERNEL)
+    out.backward(do)
+    _assert_flash_rule((out.detach(), qg.grad, kg.grad, vg.grad), dense(q.dtype),
+                       dense(torch.float32))
