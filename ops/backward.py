@@ -244,7 +244,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
     requested = _resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, n_kv, arch)
     path, kernel_reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal,
-                                        requested.name, grad_out, window)
+                                        requested.name, window)
     if path == HOPPER:
         from .hopper.launch import attention_backward as hopper_backward
 

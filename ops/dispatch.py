@@ -19,8 +19,7 @@ NO_WINDOW = (-1, -1)
 
 
 def _hopper_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        mask: torch.Tensor | None, grad_out: torch.Tensor | None,
-                        window: tuple[int, int]) -> str | None:
+                        mask: torch.Tensor | None, window: tuple[int, int]) -> str | None:
     if tuple(window) != NO_WINDOW:
         return f"window_size={tuple(window)} (the Hopper kernels take no sliding window)"
     if q.device.type != "cuda":
@@ -29,12 +28,11 @@ def _hopper_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         from .hopper.launch import unsupported_reason
     except ImportError as error:  # a Triton without Gluon
         return f"the Hopper kernels cannot be imported ({error})"
-    return unsupported_reason(q, k, v, mask, grad_out)
+    return unsupported_reason(q, k, v, mask)
 
 
 def select_kernel(kernel: str, op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None, is_causal: bool, schedule: str | None = None,
-                  grad_out: torch.Tensor | None = None,
                   window: tuple[int, int] = NO_WINDOW) -> tuple[str, str | None]:
     """The path that runs ``op`` ("forward" or "backward") with the resolved backward ``schedule``,
     and why "auto" did not take the Hopper path (None when it did, or a path was named)."""
@@ -43,7 +41,7 @@ def select_kernel(kernel: str, op: str, q: torch.Tensor, k: torch.Tensor, v: tor
         raise ValueError(f"dash.attention: kernel must be one of {list(KERNELS)}, got {kernel!r}")
     if kernel == PORTABLE:
         return PORTABLE, None
-    reason = _hopper_unsupported(q, k, v, mask, grad_out, window)
+    reason = _hopper_unsupported(q, k, v, mask, window)
     if kernel == HOPPER and reason is not None:  # refused when the forward runs, not later
         raise ValueError(f"dash.attention: kernel='hopper' cannot run this attention: {reason}; "
                          f"use kernel='auto' or 'portable'")

@@ -73,8 +73,7 @@ def test_auto_kernel_says_why_and_hopper_is_refused_at_forward_time() -> None:
         with pytest.raises(ValueError, match="kernel='hopper'"):
             dash_inductor.attention(q, k, v, kernel="hopper")
     params = list(inspect.signature(dispatch.select_kernel).parameters)
-    assert params == ["kernel", "op", "q", "k", "v", "mask", "is_causal", "schedule", "grad_out",
-                      "window"]
+    assert params == ["kernel", "op", "q", "k", "v", "mask", "is_causal", "schedule", "window"]
 
 
 def test_schema_ends_with_the_choices_in_config_order() -> None:

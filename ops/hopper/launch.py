@@ -3,7 +3,9 @@
 The kernel reads Q, K, V and dO through rank-3 TMA descriptors over (batch * heads, rows, head dim),
 which needs each tensor's batch stride to be heads x its head stride (true for contiguous
 (B, H, L, D) tensors and for the (B, L, H, D) layout that transposed projections give), 16-byte
-aligned strides and base, and a contiguous last dim. Anything else goes to the portable kernels.
+aligned strides and base, and a contiguous last dim. Q, K and V that cannot be read so go to the
+portable kernels; a dO that cannot (such as the stride-0 gradient of ``out.sum()``) is copied into
+a contiguous tensor, which changes no value.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def _mergeable(t: torch.Tensor) -> bool:
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       mask: torch.Tensor | None, grad_out: torch.Tensor | None = None) -> str | None:
+                       mask: torch.Tensor | None) -> str | None:
     """Why the Hopper backward cannot take these inputs; None when it can."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "not an sm90 (Hopper) GPU"
@@ -47,8 +49,7 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return "an attn_mask (the Hopper kernels take is_causal or no mask)"
     if q.shape[-1] != v.shape[-1] or q.shape[-1] not in HEAD_DIMS:
         return f"head dims {q.shape[-1]}/{v.shape[-1]} (the Hopper kernels take E = Ev in {HEAD_DIMS})"
-    tensors = (q, k, v) if grad_out is None else (q, k, v, grad_out)
-    if not all(_mergeable(t) for t in tensors):
+    if not all(_mergeable(t) for t in (q, k, v)):
         return "a stride layout that a (batch*heads, rows, dim) TMA view cannot read"
     return None
 
@@ -86,6 +87,8 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
     requested = schedule
     schedule, fallback = fit_schedule(schedule, is_causal, n_kv, capacity, shape)
+    if not _mergeable(grad_out):  # e.g. the stride-0 gradient of out.sum(): same values, new layout
+        grad_out = grad_out.contiguous()
     delta = compute_delta(out, grad_out)
     per_head = schedule.items_per_head(n_kv, is_causal)
     total_items = batch * hkv * per_head
