@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     commands.add_parser(
         "bench", help="the benchmark grid runner (bench/run.py of a source checkout); the "
-                      "arguments that follow go to it (try: bench --help)")
+                      "arguments that follow go to it (try: bench --help); bench --packed ARGS "
+                      "runs bench/packed.py (packed documents and sliding windows) instead")
     commands.add_parser("info", help="versions, device, config, available kernels and schedules")
     return parser
 
@@ -75,6 +76,8 @@ def _bench(bench_args: Sequence[str]) -> int:
         print("bench/run.py ships with the source, not the package: clone the repository, "
               "install it with `pip install -e .[bench]`, then run `python bench/run.py --help`.")
         return 2
+    if bench_args[:1] == ["--packed"]:
+        script, bench_args = script.with_name("packed.py"), bench_args[1:]
     saved = sys.argv
     sys.argv = [str(script), *bench_args]
     try:
@@ -158,7 +161,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"demo": _demo, "info
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the subcommand; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # everything after "bench" belongs to bench/run.py
+    if argv[:1] == ["bench"]:  # everything after "bench" belongs to bench/run.py (or packed.py)
         return _bench(argv[1:])
     args = _parser().parse_args(argv)
     return COMMANDS[args.command](args)
