@@ -15,7 +15,7 @@ DEMO_SIZE_FLAGS = ("layers", "d_model", "heads", "seq", "batch", "steps")
 
 
 def _parser() -> argparse.ArgumentParser:
-    from dash_inductor.demo import CUDA_DEFAULTS, DemoConfig
+    from dash_inductor.tiny_gpt import CUDA_DEFAULTS, DemoConfig
 
     parser = argparse.ArgumentParser(prog="python -m dash_inductor",
                                      description="Fast, bitwise-reproducible attention for PyTorch.")
@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from dash_inductor.demo import CUDA_DEFAULTS, DemoConfig, run_demo
+    from dash_inductor.demo import run_demo
+    from dash_inductor.tiny_gpt import CUDA_DEFAULTS, DemoConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
