@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -15,6 +17,16 @@ def sdpa_math(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
         kwargs["attn_mask"] = mask.detach().double().requires_grad_(mask.requires_grad)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         return F.scaled_dot_product_attention(q, k, v, **kwargs), (q, k, v, kwargs.get("attn_mask"))
+
+
+def reference_scores(problem, inputs) -> tuple[Tensor, Tensor | None]:
+    """float64 ``q k^T * scale`` of an ``AttentionProblem``'s inputs, KV heads repeated for GQA,
+    and its mask (float64 when it is a float mask); the callers apply masks as they need."""
+    q, k, _, mask = (t.detach().double() if t is not None and t.is_floating_point() else t
+                     for t in inputs.args)
+    k = k.repeat_interleave(problem.q_heads // problem.kv_heads, dim=1)
+    scale = problem.scale if problem.scale is not None else 1 / math.sqrt(problem.head_dim)
+    return q @ k.transpose(-1, -2) * scale, mask
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import dash_inductor
 from dash_inductor import config, pytest_plugin
 from dash_inductor.testing import AttentionInputs, AttentionProblem, attention_problems
-from tests._reference import sdpa_math
+from tests._reference import reference_scores, sdpa_math
 
 CI = settings.get_profile(pytest_plugin.CI_PROFILE)
 # The interpreter is slow: report a failing draw without shrinking it (the draws are tiny).
@@ -76,11 +76,7 @@ def _math_logsumexp(problem: AttentionProblem, inputs: AttentionInputs,
     """logsumexp of the scores as SDPA's math backend forms them (masks *added* as -inf), NaN
     where a +inf score makes its softmax NaN (``torch.logsumexp`` would say +inf).
     ``hide_future`` sets the scores above the causal diagonal to -inf instead."""
-    q, k, _, mask = (t.detach().double() if t is not None and t.is_floating_point() else t
-                     for t in inputs.args)
-    k = k.repeat_interleave(problem.q_heads // problem.kv_heads, dim=1)
-    scale = problem.scale if problem.scale is not None else 1 / math.sqrt(problem.head_dim)
-    scores = q @ k.transpose(-1, -2) * scale
+    scores, mask = reference_scores(problem, inputs)
     if problem.is_causal:
         mask = torch.ones(problem.q_len, problem.kv_len, dtype=torch.bool).tril()
         if hide_future:

@@ -29,7 +29,7 @@ from dash_inductor.testing import (
     assert_process_reproducible,
     attention_problems,
 )
-from tests._reference import sdpa_math
+from tests._reference import reference_scores, sdpa_math
 
 CI = settings.get_profile(pytest_plugin.CI_PROFILE)
 # Interpreted kernels and compiles are slow: report a failing draw as found, without shrinking it
@@ -70,11 +70,7 @@ def _sdpa(q, k, v, attn_mask=None, **kwargs):
 
 def _reference_logsumexp(problem: AttentionProblem, inputs: AttentionInputs) -> torch.Tensor:
     """log sum_j exp(score_ij) in float64, -inf on rows that see no key."""
-    q, k, _, mask = (t.detach().double() if t is not None and t.is_floating_point() else t
-                     for t in inputs.args)
-    k = k.repeat_interleave(problem.q_heads // problem.kv_heads, dim=1)
-    scale = problem.scale if problem.scale is not None else 1 / math.sqrt(problem.head_dim)
-    scores = q @ k.transpose(-1, -2) * scale
+    scores, mask = reference_scores(problem, inputs)
     if problem.is_causal:
         seen = torch.ones(problem.q_len, problem.kv_len, dtype=torch.bool).tril()
         scores = scores.masked_fill(~seen, -math.inf)
