@@ -35,12 +35,14 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
     constexprs = backward_constexprs(schedule, causal, group, even_s, cfg)
     q_block = _descriptor(dtype, [1, cfg.block_m, head_dim])
     kv_block = _descriptor(dtype, [1, cfg.block_n, head_dim])
+    stats_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m], gl.float32)
+    stats_block = f"tensordesc<fp32[{cfg.block_m}],{stats_layout!r}>"
     signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "do_desc": q_block,
-                 "LSE": "*fp32", "DELTA": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}",
+                 "lse_desc": stats_block, "delta_desc": stats_block, "DK": f"*{dtype}", "DV": f"*{dtype}",
                  "DQACC": "*fp32", "TICKETS": "*i32", "ERR": "*i32"}
     signature.update({name: "i64" for name in ("stride_dkb", "stride_dkh", "stride_dkn",
                                                "stride_dvb", "stride_dvh", "stride_dvn")})
-    signature.update({name: "i32" for name in ("HQ", "HKV", "L", "S", "n_q", "n_kv",
+    signature.update({name: "i32" for name in ("HQ", "HKV", "S", "n_q", "n_kv",
                                                "items_per_head", "total_items")})
     signature.update({"qk_scale": "fp32", "sm_scale": "fp32", "max_spin": "i32"})
     signature.update({name: "constexpr" for name in constexprs})

@@ -26,9 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma, warpgroup_mma_wait)
 
 from .. import schedules as sch
-from ..backward import LOG2E
 
-_LOG2E = gl.constexpr(LOG2E)
 #: A barrier over the calling partition's warps (``thread_barrier`` until Triton 3.6, ``barrier`` after).
 _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 #: TMA global-to-shared copy (``async_copy_global_to_shared`` until Triton 3.6, ``async_load`` after).
@@ -55,8 +53,8 @@ def _work_head(work, items_per_head, HKV):
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem,
-                    q_ready, q_empty, kv_ready, kv_empty,
+def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
+                    lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                     HQ, HKV, n_q, n_kv, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr):
@@ -65,7 +63,9 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     NSUB: gl.constexpr = BLOCK_N // BLOCK_M
     HEAD_D: gl.constexpr = k_smem.shape[1]
-    step_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+    l_pad = n_q * BLOCK_N
     tile_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     it = 0
     tile = 0
@@ -95,6 +95,8 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_
                                                         q_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
                         _tma_load(do_desc, [bh, row, 0], bar,
                                                         do_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
+                        _tma_load(lse_desc, [bh * l_pad + row], bar, lse_bufs.index(s))
+                        _tma_load(delta_desc, [bh * l_pad + row], bar, delta_bufs.index(s))
                         it += 1
 
 
@@ -154,11 +156,10 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR,
 
 
 @gluon.jit
-def _compute_partition(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_bufs,
-                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty,
-                       LSE, DELTA, DK, DV,
+def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
+                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV,
                        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                       HQ, HKV, L, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale,
+                       HQ, HKV, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale,
                        GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                        NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, EVEN_S: gl.constexpr,
                        num_warps: gl.constexpr):
@@ -196,38 +197,31 @@ def _compute_partition(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                 dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=kv_layout)
                 mbarrier.wait(kv_ready, tile & 1)
                 n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
-                first = it
                 for g in range(GROUP):
                     bh = b * HQ + hkv * GROUP + g
                     for step in range(n_steps):
-                        qt = sch.q_tile_at(step // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
-                        rows = qt * BLOCK_N + (step % NSUB) * BLOCK_M + offs_m
                         s = it % STAGES
                         q_s = q_bufs.index(s)
                         do_s = do_bufs.index(s)
-                        in_rows = rows < L
-                        lse = gl.load(LSE + bh.to(gl.int64) * L + rows, mask=in_rows, other=float("-inf"))
-                        delta = gl.load(DELTA + bh.to(gl.int64) * L + rows, mask=in_rows, other=0.0)
-                        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
                         mbarrier.wait(q_ready.index(s), (it // STAGES) & 1)
                         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
                         s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
                                             is_async=True)
                         dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
                                              is_async=True)
-                        # In flight: the previous step's dK, then S^T and dP^T. Waiting for S^T
-                        # also retires that dK, which frees the previous step's Q/dO stage.
-                        s_t, dk = warpgroup_mma_wait(1, deps=(s_t, dk))
-                        if it > first:
-                            mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
+                        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+                        lse2 = lse_bufs.index(s).load(row_layout)
                         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
                         if CAUSAL:
+                            qt = sch.q_tile_at(step // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
+                            rows = qt * BLOCK_N + (step % NSUB) * BLOCK_M + offs_m
                             p_t = gl.where(gl.expand_dims(cols, 1) <= gl.expand_dims(rows, 0), p_t, 0.0)
                         if not EVEN_S:
                             p_t = gl.where(gl.expand_dims(cols, 1) < S, p_t, 0.0)
                         dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv,
                                            is_async=True)
                         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+                        delta = delta_bufs.index(s).load(row_layout)
                         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
                         if COMPUTE_DQ:
                             # dQ first, so that handing it to the writer overlaps the dK MMA.
@@ -238,18 +232,20 @@ def _compute_partition(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False,
                                                is_async=True)
                             dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
-                            dq, dv, dk = warpgroup_mma_wait(1, deps=(dq, dv, dk))
+                            dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
                             d = it % DQ_STAGES
                             mbarrier.wait(dq_empty.index(d), ((it // DQ_STAGES) & 1) ^ 1)
                             dq_bufs.index(d).store(dq * sm_scale)
                             mbarrier.arrive(dq_ready.index(d), count=1)
                         else:
                             dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
-                            dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
-                        it += 1  # this step's dK stays in flight into the next step
-                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                if it > first:
-                    mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
+                        # Every MMA of the step retires before the next step's S^T: an accumulator
+                        # left in flight across steps made ptxas serialize all wgmma (C7512).
+                        # The arrive's partition barrier also orders this step's dQ reads of
+                        # ds_smem (both warpgroups') before the next step's stores.
+                        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                        mbarrier.arrive(q_empty.index(s), count=1)
+                        it += 1
                 mbarrier.arrive(kv_empty, count=1)
                 tile += 1
                 keys = kv * BLOCK_N + offs_kn
@@ -263,9 +259,9 @@ def _compute_partition(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_bufs,
 
 
 @gluon.jit
-def backward_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQACC, TICKETS, ERR,
+def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQACC, TICKETS, ERR,
                     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                    HQ, HKV, L, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale, max_spin,
+                    HQ, HKV, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale, max_spin,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, ORDERED: gl.constexpr,
                     EVEN_S: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -283,6 +279,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQACC, 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
 
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
@@ -304,14 +302,13 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQACC, 
     mbarrier.init(kv_empty, count=1)
 
     gl.warp_specialize([
-        (_compute_partition, (q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_bufs,
-                              q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty,
-                              LSE, DELTA, DK, DV,
+        (_compute_partition, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
+                              q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV,
                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                              HQ, HKV, L, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale,
+                              HQ, HKV, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, num_warps)),
-        (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem,
-                           q_ready, q_empty, kv_ready, kv_empty,
+        (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
+                           lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            HQ, HKV, n_q, n_kv, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS)),
         (_dq_partition, (dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR,

@@ -68,6 +68,28 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
 
 
+def _row_stats(lse: torch.Tensor, delta: torch.Tensor, rows: int) -> torch.Tensor:
+    """(2, B*H*rows) fp32: the logsumexp in the exp2 domain and delta, each row padded to ``rows``.
+
+    The load warp brings both to shared memory by TMA with each step's Q and dO. A padded row
+    has logsumexp +inf (so P = 0 there) and delta 0; so has a row that saw no key (-inf).
+    """
+    heads, seq = delta.shape
+    stats = torch.empty((2, heads, rows), device=delta.device, dtype=torch.float32)
+    lse2 = lse.reshape(heads, seq) * LOG2E
+    stats[0, :, :seq] = lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
+    stats[0, :, seq:] = float("inf")
+    stats[1, :, :seq] = delta
+    stats[1, :, seq:] = 0.0
+    return stats.view(2, heads * rows)
+
+
+def _row_descriptor(row: torch.Tensor, block: int) -> TensorDescriptor:
+    """A rank-1 TMA descriptor over one row of :func:`_row_stats`, for ``block``-element boxes."""
+    layout = gl.NVMMASharedLayout.get_default_for([block], gl.float32)
+    return TensorDescriptor(row, list(row.shape), [1], [block], layout)
+
+
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                        dv: torch.Tensor, *, is_causal: bool, scale: float,
@@ -90,6 +112,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if not _mergeable(grad_out):  # e.g. the stride-0 gradient of out.sum(): same values, new layout
         grad_out = grad_out.contiguous()
     delta = compute_delta(out, grad_out)
+    stats = _row_stats(lse, delta, n_q * cfg.block_n)
     per_head = schedule.items_per_head(n_kv, is_causal)
     total_items = batch * hkv * per_head
     grid = (min(total_items, capacity),)
@@ -103,9 +126,10 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     constexprs = backward_constexprs(schedule.name, is_causal, hq // hkv, seq_k % cfg.block_n == 0, cfg)
     backward_kernel[grid](
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
-        _descriptor(grad_out, cfg.block_m), lse, delta, dk, dv, dq_acc, tickets, error_flag,
+        _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
+        _row_descriptor(stats[1], cfg.block_m), dk, dv, dq_acc, tickets, error_flag,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        hq, hkv, seq_q, seq_k, n_q, n_kv, per_head, total_items, scale * LOG2E, scale, max_spin,
+        hq, hkv, seq_k, n_q, n_kv, per_head, total_items, scale * LOG2E, scale, max_spin,
         **constexprs)
     if is_causal and seq_k > n_q * cfg.block_n:
         dk[:, :, n_q * cfg.block_n:].zero_()
