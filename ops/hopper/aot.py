@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -62,11 +65,26 @@ _PTX_FEATURES = {
 }
 
 
+def ptxas_report(ptx: str) -> dict[str, int]:
+    """What ``ptxas -v`` says of the PTX: whether it serialized the wgmma (advisory C7512, which
+    makes every MMA wait for the previous one: in this kernel that halved the throughput) and how
+    many bytes it spilled."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as src:
+        src.write(ptx)
+        src.flush()
+        info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src.name, "-o", "/dev/null"],
+                              capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores", info)
+    return {"wgmma_serialized": int("C7512" in info), "spill_store_bytes": int(spills.group(1))}
+
+
 def summary(compiled) -> dict[str, int]:
-    """Counts of the PTX instructions the design relies on, plus shared memory and cubin size."""
+    """Counts of the PTX instructions the design relies on, ptxas's report, shared memory and
+    cubin size."""
     ptx = compiled.asm["ptx"]
     counts = {name: len(re.findall(pattern, ptx)) for name, pattern in _PTX_FEATURES.items()}
-    return {**counts, "shared": compiled.metadata.shared, "cubin_bytes": len(compiled.asm["cubin"])}
+    return {**counts, **ptxas_report(ptx), "shared": compiled.metadata.shared,
+            "cubin_bytes": len(compiled.asm["cubin"])}
 
 
 def main(argv: list[str] | None = None) -> None:
