@@ -197,6 +197,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                 dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=kv_layout)
                 mbarrier.wait(kv_ready, tile & 1)
                 n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
+                first = it
                 for g in range(GROUP):
                     bh = b * HQ + hkv * GROUP + g
                     for step in range(n_steps):
@@ -209,7 +210,11 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                                             is_async=True)
                         dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
                                              is_async=True)
-                        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+                        # In flight: the previous step's dK, then S^T and dP^T. Waiting for S^T
+                        # also retires that dK, which frees the previous step's Q/dO stage.
+                        s_t, dk = warpgroup_mma_wait(1, deps=(s_t, dk))
+                        if it > first:
+                            mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
                         lse2 = lse_bufs.index(s).load(row_layout)
                         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
                         if CAUSAL:
@@ -223,29 +228,29 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
                         delta = delta_bufs.index(s).load(row_layout)
                         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-                        if COMPUTE_DQ:
-                            # dQ first, so that handing it to the writer overlaps the dK MMA.
-                            ds_smem.store(ds_t)
-                            fence_async_shared()
-                            _partition_barrier()
+                        # dS^T goes through shared memory: dQ = dS K reads both warpgroups' keys,
+                        # and dK taking it from there (not from registers) leaves ptxas enough
+                        # registers to keep this step's dK MMA in flight into the next step.
+                        ds_smem.store(ds_t)
+                        fence_async_shared()
+                        _partition_barrier()
+                        if COMPUTE_DQ:  # dQ first, so that handing it to the writer overlaps dK
                             dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=dq_layout)
                             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False,
                                                is_async=True)
-                            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
-                            dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+                            dk = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
+                            dq, dv, dk = warpgroup_mma_wait(1, deps=(dq, dv, dk))
                             d = it % DQ_STAGES
                             mbarrier.wait(dq_empty.index(d), ((it // DQ_STAGES) & 1) ^ 1)
                             dq_bufs.index(d).store(dq * sm_scale)
                             mbarrier.arrive(dq_ready.index(d), count=1)
                         else:
-                            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
-                        # Every MMA of the step retires before the next step's S^T: an accumulator
-                        # left in flight across steps made ptxas serialize all wgmma (C7512).
-                        # The arrive's partition barrier also orders this step's dQ reads of
-                        # ds_smem (both warpgroups') before the next step's stores.
-                        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                        mbarrier.arrive(q_empty.index(s), count=1)
+                            dk = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
+                            dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
                         it += 1
+                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                if it > first:
+                    mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
                 mbarrier.arrive(kv_empty, count=1)
                 tile += 1
                 keys = kv * BLOCK_N + offs_kn

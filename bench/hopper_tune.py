@@ -1,0 +1,72 @@
+"""Time the Hopper backward's tile configurations against each other, in one process.
+
+    python3 bench/hopper_tune.py [--config block_m=64,stages=3,dq_stages=1 ...] [--out DIR]
+
+Each ``--config`` overrides fields of :class:`~dash_inductor.ops.hopper.config.HopperBackwardConfig`
+(the default config is always timed first). Prints one line per (shape, causal, schedule) with
+the backward TFLOP/s of every config, as ``bench/hopper_check.py`` counts them, and writes
+``hopper_tune.json`` to ``--out``. The tuning decisions in docs/kernels-notes.md come from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hopper_check import _forward, _hopper, _inputs, _tflops  # noqa: E402
+from dash_inductor.ops.hopper.config import HopperBackwardConfig, backward_config  # noqa: E402
+
+SHAPES = [(4, 16, 16, 4096, 128), (1, 16, 16, 16384, 128), (4, 32, 32, 4096, 64)]
+
+
+def parse_config(text: str, head_dim: int) -> HopperBackwardConfig:
+    """``"block_m=64,stages=2"`` -> the head dim's config with those fields replaced."""
+    fields = dict(item.split("=") for item in text.split(",") if item)
+    return dataclasses.replace(backward_config(head_dim), **{k: int(v) for k, v in fields.items()})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action="append", default=[], help="fields to override")
+    parser.add_argument("--schedule", action="append", default=None)
+    parser.add_argument("--out", default=None, help="folder for hopper_tune.json")
+    args = parser.parse_args()
+    schedules = args.schedule or ["shift", "descending", "atomic"]
+    started = time.time()
+    log = lambda line: print(f"[{time.time() - started:6.1f}s] {line}", flush=True)
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    rows = []
+    for shape in SHAPES:
+        configs = {"default": backward_config(shape[-1])}
+        configs.update({text: parse_config(text, shape[-1]) for text in args.config})
+        for causal in (False, True):
+            q, k, v, do = _inputs(*shape)
+            out, lse = _forward(q, k, v, causal)
+            for schedule in schedules:
+                row = {"shape": shape, "causal": causal, "schedule": schedule}
+                for name, cfg in configs.items():
+                    ms = triton.testing.do_bench(
+                        lambda: _hopper(q, k, v, do, out, lse, causal, schedule, cfg),
+                        return_mode="median")
+                    row[name] = _tflops(shape, causal, ms)
+                rows.append(row)
+                log(f"{shape} causal={causal} {schedule:10s} " + "  ".join(
+                    f"{name}={row[name]:.0f}" for name in configs))
+    if args.out:
+        with open(f"{args.out}/hopper_tune.json", "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
