@@ -162,7 +162,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                        HQ, HKV, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale,
                        GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                        NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, EVEN_S: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       DK_IN_FLIGHT: gl.constexpr, num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -210,11 +210,14 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                                             is_async=True)
                         dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
                                              is_async=True)
-                        # In flight: the previous step's dK, then S^T and dP^T. Waiting for S^T
-                        # also retires that dK, which frees the previous step's Q/dO stage.
-                        s_t, dk = warpgroup_mma_wait(1, deps=(s_t, dk))
-                        if it > first:
-                            mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
+                        if DK_IN_FLIGHT:
+                            # In flight: the previous step's dK, then S^T and dP^T. Waiting for S^T
+                            # also retires that dK, which frees the previous step's Q/dO stage.
+                            s_t, dk = warpgroup_mma_wait(1, deps=(s_t, dk))
+                            if it > first:
+                                mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
+                        else:
+                            s_t = warpgroup_mma_wait(1, deps=(s_t, ))
                         lse2 = lse_bufs.index(s).load(row_layout)
                         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
                         if CAUSAL:
@@ -228,28 +231,37 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
                         delta = delta_bufs.index(s).load(row_layout)
                         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-                        # dS^T goes through shared memory: dQ = dS K reads both warpgroups' keys,
-                        # and dK taking it from there (not from registers) leaves ptxas enough
-                        # registers to keep this step's dK MMA in flight into the next step.
-                        ds_smem.store(ds_t)
-                        fence_async_shared()
-                        _partition_barrier()
+                        if COMPUTE_DQ or DK_IN_FLIGHT:
+                            # dQ = dS K reads both warpgroups' keys of dS^T; dK taking dS^T from
+                            # shared memory (not registers) leaves ptxas the registers to keep dK
+                            # in flight into the next step.
+                            ds_smem.store(ds_t)
+                            fence_async_shared()
+                            _partition_barrier()
                         if COMPUTE_DQ:  # dQ first, so that handing it to the writer overlaps dK
                             dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=dq_layout)
                             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False,
                                                is_async=True)
+                        if DK_IN_FLIGHT:
                             dk = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
+                        else:
+                            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
+                        if COMPUTE_DQ:
                             dq, dv, dk = warpgroup_mma_wait(1, deps=(dq, dv, dk))
                             d = it % DQ_STAGES
                             mbarrier.wait(dq_empty.index(d), ((it // DQ_STAGES) & 1) ^ 1)
                             dq_bufs.index(d).store(dq * sm_scale)
                             mbarrier.arrive(dq_ready.index(d), count=1)
                         else:
-                            dk = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
                             dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
+                        if not DK_IN_FLIGHT:
+                            # dK from registers must retire within its step: left in flight, it
+                            # made ptxas serialize every wgmma (advisory C7512).
+                            dk = warpgroup_mma_wait(0, deps=(dk, ))
+                            mbarrier.arrive(q_empty.index(s), count=1)
                         it += 1
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                if it > first:
+                if DK_IN_FLIGHT and it > first:
                     mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
                 mbarrier.arrive(kv_empty, count=1)
                 tile += 1
@@ -271,6 +283,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, D
                     NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, ORDERED: gl.constexpr,
                     EVEN_S: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
+                    DK_IN_FLIGHT: gl.constexpr,
                     LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc."""
     dtype: gl.constexpr = q_desc.dtype
@@ -311,7 +324,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, D
                               q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV,
                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                               HQ, HKV, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale,
-                              GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, num_warps)),
+                              GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
+                              num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            HQ, HKV, n_q, n_kv, items_per_head, total_items,

@@ -37,6 +37,7 @@ class HopperBackwardConfig:
     stages: int = 3
     dq_stages: int = 1
     writer_rows: int = 8
+    dk_in_flight: bool = True
     load_regs: int = 24
     writer_regs: int = 48
     num_warps: int = 8
@@ -55,5 +56,6 @@ def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
     return dict(GROUP=group, CAUSAL=causal, SCHEDULE=sched.id, NUM_SLOTS=sched.slots(causal),
                 COMPUTE_DQ=not sched.separate_dq, ORDERED=sched.ordered, EVEN_S=even_s,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-                DQ_STAGES=cfg.dq_stages, WRITER_ROWS=cfg.writer_rows, LOAD_REGS=cfg.load_regs,
+                DQ_STAGES=cfg.dq_stages, WRITER_ROWS=cfg.writer_rows,
+                DK_IN_FLIGHT=cfg.dk_in_flight, LOAD_REGS=cfg.load_regs,
                 WRITER_REGS=cfg.writer_regs, num_warps=cfg.num_warps)
