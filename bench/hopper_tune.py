@@ -28,10 +28,11 @@ from dash_inductor.ops.hopper.config import HopperBackwardConfig, backward_confi
 SHAPES = [(4, 16, 16, 4096, 128), (1, 16, 16, 16384, 128), (4, 32, 32, 4096, 64)]
 
 
-def parse_config(text: str, head_dim: int) -> HopperBackwardConfig:
-    """``"block_m=64,stages=2"`` -> the head dim's config with those fields replaced."""
+def parse_config(text: str, head_dim: int, causal: bool) -> HopperBackwardConfig:
+    """``"block_m=64,stages=2"`` -> the launch's default config with those fields replaced."""
     fields = dict(item.split("=") for item in text.split(",") if item)
-    return dataclasses.replace(backward_config(head_dim), **{k: int(v) for k, v in fields.items()})
+    return dataclasses.replace(backward_config(head_dim, causal),
+                               **{k: int(v) for k, v in fields.items()})
 
 
 def main() -> int:
@@ -46,9 +47,9 @@ def main() -> int:
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     rows = []
     for shape in SHAPES:
-        configs = {"default": backward_config(shape[-1])}
-        configs.update({text: parse_config(text, shape[-1]) for text in args.config})
         for causal in (False, True):
+            configs = {"default": backward_config(shape[-1], causal)}
+            configs.update({text: parse_config(text, shape[-1], causal) for text in args.config})
             q, k, v, do = _inputs(*shape)
             out, lse = _forward(q, k, v, causal)
             for schedule in schedules:

@@ -20,7 +20,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from .backward import backward_kernel
 from ..catalog import NAMES
-from .config import HEAD_DIMS, HopperBackwardConfig, backward_constexprs
+from .config import HEAD_DIMS, HopperBackwardConfig, backward_config, backward_constexprs
 
 SM90 = GPUTarget("cuda", 90, 32)
 _GL_DTYPES = {"bf16": gl.bfloat16, "fp16": gl.float16}
@@ -34,7 +34,7 @@ def _descriptor(dtype: str, block: list[int]) -> str:
 def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, group: int = 1,
                      even_s: bool = True, cfg: HopperBackwardConfig | None = None):
     """The compiled backward kernel (``triton.compiler.CompiledKernel``) for one variant, for sm90."""
-    cfg = cfg or HopperBackwardConfig()
+    cfg = cfg or backward_config(head_dim, causal)
     constexprs = backward_constexprs(schedule, causal, group, even_s, cfg)
     q_block = _descriptor(dtype, [1, cfg.block_m, head_dim])
     kv_block = _descriptor(dtype, [1, cfg.block_n, head_dim])

@@ -27,9 +27,11 @@ class HopperBackwardConfig:
 
     ``block_n`` KV rows per tile (split over the two compute warpgroups), ``block_m`` query rows per
     step; ``stages`` Q/dO buffers in flight; ``dq_stages`` dQ partials the compute warps may run
-    ahead of the dQ writer; registers per worker partition (setmaxnreg). Three Q/dO stages and one
-    dQ buffer measured faster than two and two (d128 N = 4k full shift: 339 vs 292 TFLOP/s on an
-    H100; the shared memory of both is ~210 KiB).
+    ahead of the dQ writer; ``dk_in_flight``: dK's MMA reads dS^T from shared memory and stays in
+    flight into the next step (else it reads registers and retires in its step); registers per
+    worker partition (setmaxnreg). Three Q/dO stages and one dQ buffer measured faster than two
+    and two (d128 N = 4k full shift: 464 vs 433 TFLOP/s on an H100; both take ~210 KiB of shared
+    memory).
     """
 
     block_m: int = 64
@@ -43,10 +45,14 @@ class HopperBackwardConfig:
     num_warps: int = 8
 
 
-def backward_config(head_dim: int) -> HopperBackwardConfig:
-    """The static config for ``head_dim`` (never timing-dependent: docs/design.md)."""
-    del head_dim  # one config for both head dims until a measurement says otherwise
-    return HopperBackwardConfig()
+def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
+    """The static config for a head dim and mask (never timing-dependent: docs/design.md).
+
+    dK stays in flight across steps only at head dim 128 without a mask, where it measured
+    faster; causal and head dim 64 ran 2-6% faster with dK retired in its step (H100,
+    ``bench/hopper_tune.py``; docs/kernels-notes.md).
+    """
+    return HopperBackwardConfig(dk_in_flight=head_dim == 128 and not causal)
 
 
 def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,

@@ -103,7 +103,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """
     batch, hq, seq_q, head_d = q.shape
     hkv, seq_k = k.shape[1], k.shape[2]
-    cfg = cfg or backward_config(head_d)
+    cfg = cfg or backward_config(head_d, is_causal)
     n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
     capacity = _sm_count(q.device.index or 0)
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
