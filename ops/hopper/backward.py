@@ -132,9 +132,11 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR,
                         qt = sch.q_tile_at(step // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
                         sub = step % NSUB
                         d = it % DQ_STAGES
-                        mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
                         ticket = TICKETS + (bh * n_q + qt) * NSUB + sub
                         if ORDERED:
+                            # Wait for the turn before the partial is ready: the turn usually
+                            # comes while this step is still computing, and the compute warps,
+                            # which wait for the staging buffer, never wait for a poll.
                             rank = sch.reduction_rank(qt, kv, n_q, n_kv, CAUSAL, SCHEDULE)
                             seen = gl.atomic_add(ticket, 0, sem="acquire")
                             spins = 0
@@ -142,6 +144,7 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR,
                                 seen = gl.atomic_add(ticket, 0, sem="acquire")
                                 spins += 1
                             gl.atomic_max(ERR, 1, mask=seen != rank)
+                        mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
                         base = DQACC + (bh.to(gl.int64) * l_pad + qt * BLOCK_N + sub * BLOCK_M) * HEAD_D
                         buf = dq_bufs.index(d)
                         for r in gl.static_range(0, BLOCK_M, ROWS):
