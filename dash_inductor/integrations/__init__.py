@@ -2,8 +2,9 @@
 
 - Hugging Face transformers: ``attn_implementation="dash"`` (``hf``), registered when
   transformers' modeling code is imported, or at once if it already is (``import_hook``).
-- PyTorch's flash-attention provider registry: "DASH" (``provider``), registered on import,
-  activated only by ``activate_provider()`` or ``torch.nn.attention.activate_flash_attention_impl``.
+- PyTorch's flash-attention provider registry: "DASH" (``provider``; ``provider_varlen`` for
+  ``varlen_attn``), registered on import, activated only by ``activate_provider()`` or
+  ``torch.nn.attention.activate_flash_attention_impl``.
 
 Each call either runs dash's op or goes on to PyTorch's attention; ``routes`` counts both and
 logs why on the ``dash_inductor`` logger.
@@ -16,7 +17,7 @@ import logging
 
 import torch
 
-from . import hf, provider, routes
+from . import hf, kernel_support, provider, provider_varlen, routes
 from .import_hook import after_import
 from .routes import dash_calls, fallbacks
 from .routes import reset as reset_counts
@@ -52,9 +53,11 @@ def activate_provider() -> str:
     previous = api.current_flash_attention_impl()
     provider.register()
     api.activate_flash_attention_impl(provider.NAME)
+    varlen = ("and varlen_attn runs dash.varlen_attention"
+              if provider_varlen.unavailable_reason() is None else "(varlen_attn stays PyTorch's)")
     message = (f"dash_inductor: activated flash-attention implementation {provider.NAME!r} "
                f"(was {previous or 'PyTorch default'}): on CUDA, SDPA's flash backend now runs "
-               f"dash.attention, and calls it cannot take go to PyTorch's FlashAttention-2 with "
+               f"dash.attention {varlen}; calls dash cannot take go to PyTorch's kernels with "
                f"the reason logged; dash_inductor.integrations.deactivate_provider() undoes it")
     if not torch.cuda.is_available():
         message += ". No CUDA device here: the flash backend, and so this provider, does not run"
@@ -79,4 +82,5 @@ def deactivate_provider() -> str:
 
 
 __all__ = ["activate_provider", "dash_calls", "deactivate_provider", "fallbacks", "hf",
-           "install", "provider", "register_hf", "reset_counts", "routes"]
+           "install", "kernel_support", "provider", "provider_varlen", "register_hf",
+           "reset_counts", "routes"]

@@ -1,20 +1,22 @@
 """dash as a PyTorch flash-attention provider ("DASH" in ``torch.nn.attention``'s registry).
 
-PyTorch (2.13 has it; feature-detected, not version-checked) lets a library register kernels for
-the flash backend of ``scaled_dot_product_attention``; ``activate_flash_attention_impl("DASH")``
-then puts ours in place of FlashAttention-2's for CUDA tensors, eager and compiled alike. Importing
+PyTorch (2.11 on; feature-detected, not version-checked) lets a library register kernels for the
+flash backend of ``scaled_dot_product_attention``; ``activate_flash_attention_impl("DASH")`` then
+puts ours in place of PyTorch's for CUDA tensors, eager and compiled alike. Importing
 dash_inductor registers the provider and never activates it (PyTorch leaves that to the user).
 
-Overridden: ``aten::_scaled_dot_product_flash_attention`` and its backward. A call dash's op cannot
-take (dropout, a head dim it lacks, the debug mask) goes to PyTorch's FlashAttention-2 through
-``aten::_flash_attention_forward`` / ``_backward``, which is what the native kernels call and
-which we leave alone until dash has variable-length attention. The backward schedule is
-``dash_inductor.config.schedule``; its default is deterministic and also dash's fastest.
+Overridden: ``aten::_scaled_dot_product_flash_attention`` and its backward (SDPA's flash backend),
+and ``varlen_attn``'s ops (``provider_varlen``). A call dash's op cannot take (dropout, a head dim
+it lacks, the debug mask) runs PyTorch's kernel of the same op, taken before overriding it
+(``kernel_support``), with the reason counted and logged. The backward's schedule and kernel path
+are ``dash_inductor.config``'s at the call; a non-deterministic schedule is refused under
+deterministic algorithms.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from types import ModuleType
 
 import torch
@@ -22,28 +24,41 @@ from torch import Tensor
 
 from dash_inductor.library import unsupported_reason
 
-from . import routes
+from . import kernel_support, provider_varlen, routes
+
+log = logging.getLogger("dash_inductor")
 
 NAME = "DASH"
-#: aten ops whose CUDA kernels the provider replaces.
-OVERRIDDEN = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
+SDPA_FORWARD = "aten::_scaled_dot_product_flash_attention"
+SDPA_BACKWARD = "aten::_scaled_dot_product_flash_attention_backward"
 
 
 def registry() -> ModuleType | None:
-    """``torch.nn.attention`` if this PyTorch has the flash-attention provider registry."""
+    """``torch.nn.attention`` if this PyTorch has the flash-attention provider registry (and
+    ``torch.library.get_kernel``, which the fallbacks need)."""
     import torch.nn.attention as api
 
     needed = ("register_flash_attention_impl", "activate_flash_attention_impl",
               "current_flash_attention_impl", "restore_flash_attention_impl")
-    return api if all(hasattr(api, name) for name in needed) else None
+    if not all(hasattr(api, name) for name in needed) or not hasattr(torch.library, "get_kernel"):
+        return None
+    return api
 
 
 def missing_registry_message() -> str:
     return (f"torch {torch.__version__} has no flash-attention provider registry "
-            f"(torch.nn.attention.register_flash_attention_impl; torch 2.13 has it), so dash "
-            f"cannot be activated as SDPA's flash backend here. torch.compile with "
-            f"dash_inductor's rewrite, dash_inductor.attention and attn_implementation='dash' "
-            f"still work.")
+            f"(torch.nn.attention.register_flash_attention_impl and torch.library.get_kernel; "
+            f"torch 2.11 on has them), so dash cannot be activated as SDPA's flash backend here. "
+            f"torch.compile with dash_inductor's rewrite, dash_inductor.attention and "
+            f"attn_implementation='dash' still work.")
+
+
+def overridden() -> tuple[str, ...]:
+    """The ops whose kernels activating "DASH" replaces in this torch."""
+    ops = (SDPA_FORWARD, SDPA_BACKWARD)
+    if provider_varlen.unavailable_reason() is None:
+        ops += tuple(provider_varlen.KERNELS)
+    return ops
 
 
 def _gqa(query: Tensor, key: Tensor) -> bool:
@@ -72,33 +87,24 @@ def backward_reason(query: Tensor, key: Tensor, value: Tensor, logsumexp: Tensor
                               _gqa(query, key))
 
 
-def _like(result: Tensor, like: Tensor) -> Tensor:
-    """``result`` with the strides of ``torch.empty_like(like)``, which the meta kernels promise."""
-    target = torch.empty_like(like)
-    if target.stride() == result.stride():
-        return result
-    return target.copy_(result)
-
-
 def sdpa_flash_forward(query: Tensor, key: Tensor, value: Tensor, dropout_p: float = 0.0,
                        is_causal: bool = False, return_debug_mask: bool = False, *,
                        scale: float | None = None):
     """``aten::_scaled_dot_product_flash_attention`` on (B, H, L, E) tensors."""
     reason = forward_reason(query, key, value, dropout_p, is_causal, return_debug_mask, scale)
     routes.record("provider.forward", reason)
-    max_q, max_k = query.shape[2], key.shape[2]
     if reason is not None:
-        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        out, lse, seed, offset, debug = torch.ops.aten._flash_attention_forward(
-            q, k, v, None, None, max_q, max_k, dropout_p, is_causal, return_debug_mask,
-            scale=scale)
-        return out.transpose(1, 2), lse, None, None, max_q, max_k, seed, offset, debug
-    out, lse = torch.ops.dash.attention(query, key, value, is_causal=is_causal, scale=scale,
-                                        enable_gqa=_gqa(query, key))
+        return kernel_support.call_original(
+            SDPA_FORWARD, query.device, (query, key, value, dropout_p, is_causal,
+                                         return_debug_mask), {"scale": scale})
+    out, lse = torch.ops.dash.attention(query, key, value, None, is_causal, scale,
+                                        _gqa(query, key), [-1, -1],
+                                        *kernel_support.choices(query))
     seed = torch.zeros((2,), dtype=torch.uint64, device=query.device)
     offset = torch.zeros((), dtype=torch.uint64, device=query.device)
     debug = torch.empty(0, dtype=query.dtype, device=query.device)
-    return _like(out, query), lse, None, None, max_q, max_k, seed, offset, debug
+    max_q, max_k = query.shape[2], key.shape[2]
+    return kernel_support.like(out, query), lse, None, None, max_q, max_k, seed, offset, debug
 
 
 def sdpa_flash_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
@@ -110,34 +116,51 @@ def sdpa_flash_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Ten
     reason = backward_reason(query, key, value, logsumexp, dropout_p, is_causal, scale)
     routes.record("provider.backward", reason)
     if reason is not None:
-        go, q, k, v, o = (t.transpose(1, 2) for t in (grad_out, query, key, value, out))
-        grads = torch.ops.aten._flash_attention_backward(
-            go, q, k, v, o, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-            philox_seed, philox_offset, scale=scale)
-        return tuple(g.transpose(1, 2) for g in grads)  # type: ignore[return-value]
+        return kernel_support.call_original(
+            SDPA_BACKWARD, query.device,
+            (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+             dropout_p, is_causal, philox_seed, philox_offset), {"scale": scale})
     dq, dk, dv = torch.ops.dash.attention_backward(
-        grad_out=grad_out, q=query, k=key, v=value, out=out, logsumexp=logsumexp, attn_mask=None,
-        is_causal=is_causal, scale=scale, enable_gqa=_gqa(query, key))
-    return _like(dq, query), _like(dk, key), _like(dv, value)
+        grad_out, query, key, value, out, logsumexp, None, is_causal, scale, _gqa(query, key),
+        [-1, -1], *kernel_support.choices(query))
+    return (kernel_support.like(dq, query), kernel_support.like(dk, key),
+            kernel_support.like(dv, value))
 
 
 @dataclasses.dataclass
 class _Handle:
     """What the registry keeps while "DASH" is active; ``remove`` restores PyTorch's kernels."""
 
-    library: torch.library.Library | None
+    libraries: list[torch.library.Library]
+    dispatch_key: str
 
     def remove(self) -> None:
-        if self.library is not None:
-            self.library._destroy()
-            self.library = None
+        for library in self.libraries:
+            library._destroy()
+        self.libraries.clear()
+        kernel_support.forget(self.dispatch_key)
 
 
-def _register_kernels() -> _Handle:
-    library = torch.library.Library("aten", "IMPL", "CUDA")
-    library.impl(OVERRIDDEN[0], sdpa_flash_forward, "CUDA")
-    library.impl(OVERRIDDEN[1], sdpa_flash_backward, "CUDA")
-    return _Handle(library)
+def _register_kernels(dispatch_key: str = "CUDA") -> _Handle:
+    """Override the ops at ``dispatch_key`` (the registry's call: CUDA; the CPU tests: CPU)."""
+    kernels = {SDPA_FORWARD: sdpa_flash_forward, SDPA_BACKWARD: sdpa_flash_backward}
+    varlen_reason = provider_varlen.unavailable_reason()
+    if varlen_reason is None:
+        kernels.update(provider_varlen.KERNELS)
+    else:
+        log.info("dash_inductor: varlen_attn stays PyTorch's under %r: %s", NAME, varlen_reason)
+    handle = _Handle([], dispatch_key)
+    try:
+        for name, kernel in kernels.items():
+            kernel_support.take_original(name, dispatch_key)
+            namespace, op = name.split("::")
+            library = torch.library.Library(namespace, "IMPL", dispatch_key)
+            handle.libraries.append(library)
+            library.impl(op, kernel, dispatch_key)
+    except Exception:
+        handle.remove()
+        raise
+    return handle
 
 
 def register() -> bool:

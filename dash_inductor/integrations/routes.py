@@ -14,7 +14,8 @@ import logging
 log = logging.getLogger("dash_inductor")
 
 #: Calls per (integration, reason); reason None means dash's op ran. Integrations are "hf",
-#: "provider.forward" and "provider.backward".
+#: "provider.forward", "provider.backward" (SDPA's flash backend), "provider.varlen_forward" and
+#: "provider.varlen_backward" (``varlen_attn``).
 counts: collections.Counter[tuple[str, str | None]] = collections.Counter()
 _logged: set[tuple[str, str]] = set()
 
