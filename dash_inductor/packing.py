@@ -3,8 +3,10 @@
 Tokens of N sequences are packed along dim 0: ``query`` (Tq, Hq, E), ``key`` (Tk, Hkv, E),
 ``value`` (Tk, Hkv, Ev); sequence ``i`` owns query rows ``cu_seq_q[i]:cu_seq_q[i+1]`` and key
 rows ``cu_seq_k[i]:cu_seq_k[i+1]``. ``check_packed`` reads only metadata (it runs on fake tensors
-at trace time); ``sequences`` reads the offsets' values, which on CUDA costs one host
-synchronisation: the kernels launch per sequence until they learn packed offsets themselves.
+at trace time); ``sequences`` reads the offsets' values on the host: free for CPU tensors, a host
+synchronisation on CUDA, where only the per-sequence path (``kernel="hopper"``) calls it; the
+packed kernels check CUDA offsets on the device (``ops/packed.py``). The contract and its
+messages are defined once, in ``ops/offsets.py``.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .ops import offsets
 from .shapes import MAX_HEAD_DIM, SUPPORTED_DTYPES
 from .window import NO_WINDOW, Window, check_window, dense_keep, with_causal
 
-WHERE = "dash.varlen_attention"
+WHERE = offsets.WHERE
 
 
 def _fail(message: str) -> None:
@@ -104,28 +107,19 @@ class Segment:
     k1: int
 
 
-def _offsets(name: str, cu: Tensor, total: int, max_len: int, total_name: str) -> list[int]:
+def _offsets(name: str, cu: Tensor, total: int, max_len: int) -> list[int]:
     values = cu.tolist()
-    if values[0] != 0:
-        _fail(f"{name} must start at 0, got {values[0]}")
-    lengths = [b - a for a, b in zip(values, values[1:])]
-    if any(n < 0 for n in lengths):
-        _fail(f"{name} must be non-decreasing, got {values}")
-    if values[-1] != total:
-        _fail(f"{name}[-1] must equal the number of packed tokens {total_name}={total}, "
-              f"got {values[-1]}")
-    longest = max(lengths, default=0)
-    max_name = "max_q" if name == "cu_seq_q" else "max_k"
-    if longest > max_len:
-        _fail(f"{max_name}={max_len} is smaller than the longest sequence in {name} ({longest})")
+    problem = offsets.host_breach(name, values, total, max_len)
+    if problem is not None:
+        raise ValueError(problem)
     return values
 
 
 def sequences(query: Tensor, key: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int,
               max_k: int) -> list[Segment]:
     """The sequences' row ranges, after checking the offsets' values (reads them on the host)."""
-    cq = _offsets("cu_seq_q", cu_seq_q, query.shape[0], max_q, "Tq")
-    ck = _offsets("cu_seq_k", cu_seq_k, key.shape[0], max_k, "Tk")
+    cq = _offsets("cu_seq_q", cu_seq_q, query.shape[0], max_q)
+    ck = _offsets("cu_seq_k", cu_seq_k, key.shape[0], max_k)
     return [Segment(*bounds) for bounds in zip(cq, cq[1:], ck, ck[1:])]
 
 

@@ -3,9 +3,12 @@ by the custom ops ``dash::varlen_attention`` and ``dash::varlen_attention_backwa
 
 Like ``dash::attention`` the ops take the backward's choices (``config.CHOICES``) as their last
 arguments, captured when the forward runs, and have fake kernels and a registered autograd. Each
-sequence is computed alone (``packing.py``): on the reference by ``reference_varlen.py``, on the
-Triton path by one launch of the dense kernels per sequence, so a sequence's outputs and gradients
-are the same bits whatever is packed beside it, under every schedule.
+sequence is computed alone: on the reference by ``reference_varlen.py``; on the Triton path
+(CUDA, ``cpu_backend="triton"``) by one launch per pass over all sequences (``ops/packed.py``),
+whose programs read the offsets on the device and work on one sequence each; with
+``kernel="hopper"`` by one launch of the dense kernels per sequence (the Hopper kernels take no
+offsets). So a sequence's outputs and gradients are the same bits whatever is packed beside it,
+under every schedule.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from torch import Tensor
 from . import config, packing, reference, reference_varlen
 from .library import (_MAX_SPIN, _check_choices, _ops, _record, _uses_triton, check_schedule_allowed,
                       forbid_double_backward)
-from .window import NO_WINDOW, Window, check_window
+from .ops.dispatch import HOPPER
+from .window import NO_WINDOW, Window, check_window, with_causal
 
 try:
     from torch.nn.attention.varlen import AuxRequest
@@ -71,8 +75,25 @@ def _varlen_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, win
     return _forward_outputs(query, value)
 
 
-def _triton_forward(query: Tensor, key: Tensor, value: Tensor, segments, scale: float,
-                    window: Window, out: Tensor, lse: Tensor, kernel_path: str) -> None:
+def _packed():
+    """The packed-sequence launchers, imported on first use as ``library._ops``."""
+    from .ops import packed
+
+    return packed
+
+
+def _segments(query: Tensor, key: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int,
+              max_k: int, cpu_backend: str, kernel_path: str) -> list[packing.Segment] | None:
+    """The sequences, read on the host, for the paths that need them (the reference and the
+    per-sequence Hopper launches), and for CPU offsets, where reading them is free and makes a
+    breach of their contract an error now; None on the CUDA hot path, which checks on the device."""
+    if query.device.type == "cpu" or not _uses_triton(query, cpu_backend) or kernel_path == HOPPER:
+        return packing.sequences(query, key, cu_seq_q, cu_seq_k, max_q, max_k)
+    return None
+
+
+def _per_sequence_forward(query: Tensor, key: Tensor, value: Tensor, segments, scale: float,
+                          window: Window, out: Tensor, lse: Tensor, kernel_path: str) -> None:
     """One dense forward launch per sequence, writing through views of the packed outputs."""
     for seg in segments:
         lq = seg.q1 - seg.q0
@@ -98,14 +119,19 @@ def _varlen_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, w
     _check_choices(schedule, max_spin, cpu_backend, kernel_path)
     window = packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
                                   window_size, enable_gqa)
-    segments = packing.sequences(query, key, cu_seq_q, cu_seq_k, max_q, max_k)
+    segments = _segments(query, key, cu_seq_q, cu_seq_k, max_q, max_k, cpu_backend, kernel_path)
     out, lse = _forward_outputs(query, value)
-    if _uses_triton(query, cpu_backend):
-        _triton_forward(query, key, value, segments, _scale(query, scale), window, out, lse,
-                        kernel_path)
-    else:
+    if not _uses_triton(query, cpu_backend):
         reference_varlen.forward(query, key, value, segments, _scale(query, scale), window, out,
                                  lse)
+    elif kernel_path == HOPPER:
+        _per_sequence_forward(query, key, value, segments, _scale(query, scale), window, out, lse,
+                              kernel_path)
+    else:
+        kernel_window, causal = with_causal(window, False)
+        _record(_packed().varlen_forward(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, out, lse, is_causal=causal,
+            scale=_scale(query, scale), window=kernel_window, kernel=kernel_path))
     return out, lse
 
 
@@ -134,8 +160,8 @@ def _varlen_backward_fake(grad_out, query, key, value, out, logsumexp, cu_seq_q,
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query, key, value))
 
 
-def _triton_backward(grad_out, query, key, value, out, lse, segments, scale, window, grads,
-                     schedule, max_spin, kernel_path) -> None:
+def _per_sequence_backward(grad_out, query, key, value, out, lse, segments, scale, window, grads,
+                           schedule, max_spin, kernel_path) -> None:
     """One dense backward launch per sequence, writing through views of the packed gradients."""
     for seg in segments:
         if seg.q1 == seg.q0 or seg.k1 == seg.k0:
@@ -158,15 +184,22 @@ def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_
     _check_choices(schedule, max_spin, cpu_backend, kernel_path)
     window = packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
                                   window_size, enable_gqa)
-    segments = packing.sequences(query, key, cu_seq_q, cu_seq_k, max_q, max_k)
+    segments = _segments(query, key, cu_seq_q, cu_seq_k, max_q, max_k, cpu_backend, kernel_path)
     grads = tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device)
                   for t in (query, key, value))
-    if _uses_triton(query, cpu_backend):
-        _triton_backward(grad_out, query, key, value, out, logsumexp, segments,
-                         _scale(query, scale), window, grads, schedule, max_spin, kernel_path)
-    else:
+    if not _uses_triton(query, cpu_backend):
         reference_varlen.backward(grad_out, query, key, value, out, logsumexp, segments,
                                   _scale(query, scale), window, *grads)
+    elif kernel_path == HOPPER:
+        _per_sequence_backward(grad_out, query, key, value, out, logsumexp, segments,
+                               _scale(query, scale), window, grads, schedule, max_spin,
+                               kernel_path)
+    else:
+        kernel_window, causal = with_causal(window, False)
+        _record(_packed().varlen_backward(
+            grad_out, query, key, value, out, logsumexp, cu_seq_q, cu_seq_k, max_q, max_k,
+            *grads, is_causal=causal, scale=_scale(query, scale), schedule=schedule,
+            max_spin=max_spin, kernel=kernel_path, window=kernel_window))
     return grads
 
 
@@ -205,10 +238,12 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor
     (Tq, Hq, Ev), and with ``return_aux.lse`` also the logsumexp (Hq, Tq), as ``varlen_attn``.
 
     Checked when traced (also on fake tensors): ranks, dtypes, devices, head counts and dims,
-    offsets' dtype and shape, ``max_q``/``max_k`` non-negative, window values >= -1. Checked
-    when the kernel runs, on the offsets' values read on the host (on CUDA one synchronisation,
-    which the per-sequence launches need anyway): start at 0, non-decreasing, last = T, no length
-    above ``max_q``/``max_k``. The backward's choices are read from ``dash_inductor.config`` now.
+    offsets' dtype and shape, ``max_q``/``max_k`` non-negative, window values >= -1. The offsets'
+    values (start at 0, non-decreasing, last = T, no length above ``max_q``/``max_k``) are checked
+    without a host synchronisation: CPU offsets on the host at the call; CUDA offsets on the
+    device, raising the same ``ValueError`` asynchronously, from a later launch or from
+    ``dash_inductor.ops.launch.check_spin_flags(wait=True)`` (docs/op.md). The backward's
+    choices are read from ``dash_inductor.config`` now.
     """
     choices = config.choices()
     # Checked here too: the schema's own cast errors would not name the argument.

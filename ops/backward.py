@@ -13,6 +13,12 @@ skips dQ there and runs the dQ kernel of ``ops/dq_pass.py`` instead.
 A sliding window (``window``, WINDOW) limits every KV tile to the contiguous range of Q tiles it
 meets, and every Q tile to its KV tiles (``schedules.window_*``): tiles outside are never loaded;
 ``shift`` has no windowed ranks and falls back to the ordered schedule that runs on any grid.
+
+With VARLEN the batch is virtual (``ops/packed.py``): a work item of sequence ``seq`` reads its
+bounds from the packed offsets, counts its tiles and items as the sequence alone would (so the
+schedule's walks and ranks are that sequence's), and does nothing past them. Causal and window are
+aligned bottom-right by shifting the tile coordinates (``tiles.diagonal_origin``); a sub-tile
+with no row of the sequence is skipped by every contributor alike. dQ accumulates in packed rows.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from .launch import (coresident_programs, cooperative_launch_supported, dot_prec
 from .plan import Plan
 from .tickets import add_in_turn, release_last
 from .dq_pass import launch_dq_pass, load_row_stats
-from .tiles import load_tile, mm, window_keep
+from .tiles import diagonal_origin, load_rows, mm, sequence_bounds, window_keep
 
 LOG2E = 1.4426950408889634
 
@@ -72,7 +78,7 @@ def _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn,
 
 @triton.jit
 def _backward_main_kernel(
-        Q, K, V, DO, LSE, DELTA, MASK, DK, DV, DQACC, TICKETS, ERR, WORK_COUNTER,
+        Q, K, V, DO, LSE, DELTA, MASK, DK, DV, DQACC, TICKETS, ERR, WORK_COUNTER, CU_Q, CU_K,
         stride_qb, stride_qh, stride_qm, stride_qe,
         stride_kb, stride_kh, stride_kn, stride_ke,
         stride_vb, stride_vh, stride_vn, stride_ve,
@@ -80,13 +86,13 @@ def _backward_main_kernel(
         stride_mb, stride_mh, stride_mm, stride_mn,
         stride_dkb, stride_dkh, stride_dkn, stride_dke,
         stride_dvb, stride_dvh, stride_dvn, stride_dve,
-        HQ, HKV, L, S, n_q, n_kv, qk_scale, sm_scale, max_spin, win_left, win_right,
+        HQ, HKV, L, S, n_q, n_kv, max_q, max_k, qk_scale, sm_scale, max_spin, win_left, win_right,
         items_per_head, total_items,
         GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
         HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, EVEN_L: tl.constexpr, EVEN_S: tl.constexpr,
-        WINDOW: tl.constexpr,
+        WINDOW: tl.constexpr, VARLEN: tl.constexpr,
         SCHEDULE: tl.constexpr, NUM_SLOTS: tl.constexpr, ORDERED: tl.constexpr,
         COMPUTE_DQ: tl.constexpr, ORDERED_WAITS: tl.constexpr, PRECISION: tl.constexpr):
     NSUB: tl.constexpr = BLOCK_N // BLOCK_M
@@ -103,23 +109,43 @@ def _backward_main_kernel(
         item = work % items_per_head
         b = head // HKV
         hkv = head % HKV
+        # The sequence's tiles: rows [q_lo, q_hi) and keys [k_lo, k_hi) are real (dense: all).
+        q_lo, q_hi, k_lo, k_hi, seq_n_q, seq_n_kv = 0, L, 0, S, n_q, n_kv
+        if VARLEN:
+            q0, seq_l, k0, seq_s = sequence_bounds(CU_Q, CU_K, b, L, S, max_q, max_k)
+            q_lo, k_lo = diagonal_origin(seq_l, seq_s, CAUSAL or WINDOW)
+            q_hi, k_hi = q_lo + seq_l, k_lo + seq_s
+            seq_n_q = tl.cdiv(q_hi, BLOCK_N)
+            seq_n_kv = tl.cdiv(k_hi, BLOCK_N)
+            seq_items = tl.where((seq_l > 0) & (seq_s > 0),
+                                 sch.items_in_head(seq_n_kv, CAUSAL, SCHEDULE), 0)
         for slot in range(NUM_SLOTS):
-            kv = sch.slot_kv_tile(item, slot, n_kv, CAUSAL, SCHEDULE)
+            kv = sch.slot_kv_tile(item, slot, seq_n_kv, CAUSAL, SCHEDULE)
+            if VARLEN:
+                kv = tl.where(item < seq_items, kv, -1)
             if kv >= 0:
                 cols = kv * BLOCK_N + offs_n
                 k_base = b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
                 v_base = b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
-                k = load_tile(K + k_base, cols, offs_e, stride_kn, stride_ke, S, E,
-                              not EVEN_S, E != HEAD_E)
-                v = load_tile(V + v_base, cols, offs_ev, stride_vn, stride_ve, S, EV,
-                              not EVEN_S, EV != HEAD_EV)
+                dk_base = b.to(tl.int64) * stride_dkb + hkv.to(tl.int64) * stride_dkh
+                dv_base = b.to(tl.int64) * stride_dvb + hkv.to(tl.int64) * stride_dvh
+                if VARLEN:  # the batch stride is 0: key k_lo of the tiles is the sequence's first
+                    k_start = (k0 - k_lo).to(tl.int64)
+                    k_base += k_start * stride_kn
+                    v_base += k_start * stride_vn
+                    dk_base += k_start * stride_dkn
+                    dv_base += k_start * stride_dvn
+                k = load_rows(K + k_base, cols, offs_e, stride_kn, stride_ke, k_lo, k_hi, E,
+                              VARLEN, not EVEN_S, E != HEAD_E)
+                v = load_rows(V + v_base, cols, offs_ev, stride_vn, stride_ve, k_lo, k_hi, EV,
+                              VARLEN, not EVEN_S, EV != HEAD_EV)
                 dk = tl.zeros([BLOCK_N, HEAD_E], tl.float32)
                 dv = tl.zeros([BLOCK_N, HEAD_EV], tl.float32)
                 if WINDOW:
-                    first, count = sch.window_q_range(kv, n_q, BLOCK_N, win_left, win_right,
+                    first, count = sch.window_q_range(kv, seq_n_q, BLOCK_N, win_left, win_right,
                                                       CAUSAL)
                 else:
-                    first, count = kv * 0, sch.visit_count(kv, n_q, CAUSAL)
+                    first, count = kv * 0, sch.visit_count(kv, seq_n_q, CAUSAL)
                 n_steps = count * NSUB
                 for g in range(GROUP):
                     hq = hkv * GROUP + g
@@ -128,55 +154,79 @@ def _backward_main_kernel(
                     do_base = b.to(tl.int64) * stride_db + hq.to(tl.int64) * stride_dh
                     m_base = b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
                     row_base = bh.to(tl.int64) * L
+                    if VARLEN:  # row q_lo of the tiles is the sequence's first; stats are (Hq, T)
+                        q_start = (q0 - q_lo).to(tl.int64)
+                        q_base += q_start * stride_qm
+                        do_base += q_start * stride_dm
+                        row_base = hq.to(tl.int64) * L + q_start
                     for it in range(n_steps):
                         if WINDOW:
                             qt = sch.window_q_tile_at(it // NSUB, first, count, SCHEDULE)
                         else:
-                            qt = sch.q_tile_at(it // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
+                            qt = sch.q_tile_at(it // NSUB, kv, seq_n_q, seq_n_kv, CAUSAL, SCHEDULE)
                         sub = it % NSUB
-                        rows = qt * BLOCK_N + sub * BLOCK_M + offs_m
-                        q = load_tile(Q + q_base, rows, offs_e, stride_qm, stride_qe, L, E,
-                                      not EVEN_L, E != HEAD_E)
-                        do = load_tile(DO + do_base, rows, offs_ev, stride_dm, stride_de, L, EV,
-                                       not EVEN_L, EV != HEAD_EV)
-                        lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, L, not EVEN_L)
-                        s_t = mm(k, tl.trans(q), PRECISION) * qk_scale
-                        s_t = _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn,
-                                               MASK_KIND)
-                        if CAUSAL:
-                            s_t = tl.where(cols[:, None] <= rows[None, :], s_t, float("-inf"))
-                        if WINDOW:
-                            s_t = tl.where(window_keep(rows[None, :], cols[:, None], win_left,
-                                                       win_right), s_t, float("-inf"))
-                        p_t = tl.math.exp2(s_t - lse2[None, :])
-                        if not EVEN_S:
-                            p_t = tl.where(cols[:, None] < S, p_t, 0.0)
-                        dv += mm(p_t.to(do.dtype), do, PRECISION)
-                        dp_t = mm(v, tl.trans(do), PRECISION)
-                        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-                        dk += mm(ds_t, q, PRECISION)
-                        if COMPUTE_DQ:
-                            dq = mm(tl.trans(ds_t), k, PRECISION) * sm_scale
-                            acc_ptrs = (DQACC + (bh.to(tl.int64) * l_pad + rows[:, None]) * HEAD_E
-                                        + offs_e[None, :])
-                            if ORDERED:
-                                if WINDOW:
-                                    rank = sch.window_rank(qt, kv, BLOCK_N, win_left)
+                        row0 = qt * BLOCK_N + sub * BLOCK_M
+                        rows = row0 + offs_m
+                        live = True
+                        if VARLEN:  # no row of the sub-tile exists: every contributor skips it
+                            live = (row0 + BLOCK_M > q_lo) & (row0 < q_hi)
+                        if live:
+                            q = load_rows(Q + q_base, rows, offs_e, stride_qm, stride_qe, q_lo,
+                                          q_hi, E, VARLEN, not EVEN_L, E != HEAD_E)
+                            do = load_rows(DO + do_base, rows, offs_ev, stride_dm, stride_de, q_lo,
+                                           q_hi, EV, VARLEN, not EVEN_L, EV != HEAD_EV)
+                            lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, q_lo, q_hi,
+                                                         VARLEN, not EVEN_L)
+                            s_t = mm(k, tl.trans(q), PRECISION) * qk_scale
+                            s_t = _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm,
+                                                   stride_mn, MASK_KIND)
+                            if CAUSAL:
+                                s_t = tl.where(cols[:, None] <= rows[None, :], s_t, float("-inf"))
+                            if WINDOW:
+                                s_t = tl.where(window_keep(rows[None, :], cols[:, None], win_left,
+                                                           win_right), s_t, float("-inf"))
+                            p_t = tl.math.exp2(s_t - lse2[None, :])
+                            if VARLEN:
+                                p_t = tl.where((cols[:, None] >= k_lo) & (cols[:, None] < k_hi),
+                                               p_t, 0.0)
+                            elif not EVEN_S:
+                                p_t = tl.where(cols[:, None] < S, p_t, 0.0)
+                            dv += mm(p_t.to(do.dtype), do, PRECISION)
+                            dp_t = mm(v, tl.trans(do), PRECISION)
+                            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+                            dk += mm(ds_t, q, PRECISION)
+                            if COMPUTE_DQ:
+                                dq = mm(tl.trans(ds_t), k, PRECISION) * sm_scale
+                                if VARLEN:  # dQ is accumulated in packed rows, (Hq, T, HEAD_E)
+                                    acc_ptrs = (DQACC + (row_base + rows[:, None]) * HEAD_E
+                                                + offs_e[None, :])
+                                    real = ((rows >= q_lo) & (rows < q_hi))[:, None]
+                                    ticket = TICKETS + row_base + tl.maximum(row0, q_lo)
                                 else:
-                                    rank = sch.reduction_rank(qt, kv, n_q, n_kv, CAUSAL, SCHEDULE)
-                                ticket = TICKETS + (bh * n_q + qt) * NSUB + sub
-                                held, held_amount = add_in_turn(acc_ptrs, dq, ticket, rank, held,
-                                                                held_amount, ERR, max_spin,
-                                                                ORDERED_WAITS)
-                            else:
-                                tl.atomic_add(acc_ptrs, dq, sem="relaxed")
-                dk_base = b.to(tl.int64) * stride_dkb + hkv.to(tl.int64) * stride_dkh
-                dv_base = b.to(tl.int64) * stride_dvb + hkv.to(tl.int64) * stride_dvh
+                                    acc_ptrs = (DQACC + (bh.to(tl.int64) * l_pad + rows[:, None])
+                                                * HEAD_E + offs_e[None, :])
+                                    real = None
+                                    ticket = TICKETS + (bh * n_q + qt) * NSUB + sub
+                                if ORDERED:
+                                    if WINDOW:
+                                        rank = sch.window_rank(qt, kv, BLOCK_N, win_left)
+                                    else:
+                                        rank = sch.reduction_rank(qt, kv, seq_n_q, seq_n_kv,
+                                                                  CAUSAL, SCHEDULE)
+                                    held, held_amount = add_in_turn(acc_ptrs, dq, ticket, rank,
+                                                                    held, held_amount, ERR,
+                                                                    max_spin, ORDERED_WAITS, real)
+                                else:
+                                    tl.atomic_add(acc_ptrs, dq, mask=real, sem="relaxed")
+                if VARLEN:
+                    keys = (cols >= k_lo) & (cols < k_hi)
+                else:
+                    keys = cols < S
                 tl.store(DK + dk_base + cols[:, None] * stride_dkn + offs_e[None, :] * stride_dke,
                          (dk * sm_scale).to(DK.dtype.element_ty),
-                         mask=(cols[:, None] < S) & (offs_e[None, :] < E))
+                         mask=keys[:, None] & (offs_e[None, :] < E))
                 tl.store(DV + dv_base + cols[:, None] * stride_dvn + offs_ev[None, :] * stride_dve,
-                         dv.to(DV.dtype.element_ty), mask=(cols[:, None] < S) & (offs_ev[None, :] < EV))
+                         dv.to(DV.dtype.element_ty), mask=keys[:, None] & (offs_ev[None, :] < EV))
         if (CAUSAL or WINDOW) and not ORDERED:  # items of unequal length, no waits, whole items
             work = tl.atomic_add(WORK_COUNTER, 1, sem="relaxed") + tl.num_programs(0)
         else:  # a fixed deal: the waits rely on it (ops/schedules.py); full-mask items are equal
@@ -185,8 +235,9 @@ def _backward_main_kernel(
         release_last(held, held_amount, ORDERED_WAITS)
 
 
-def _resolve_schedule(schedule: str, head_dim: int, dtype: torch.dtype, causal: bool, n_kv: int,
-                      arch: int | str) -> Schedule:
+def resolve_schedule(schedule: str, head_dim: int, dtype: torch.dtype, causal: bool, n_kv: int,
+                     arch: int | str) -> Schedule:
+    """The schedule ``schedule`` names; ``auto`` resolved by the static rule of ``configs``."""
     if schedule == catalog.AUTO:
         return catalog.get(auto_schedule(head_dim, dtype, causal, n_kv, arch))
     if schedule not in catalog.SCHEDULES:
@@ -232,17 +283,15 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     (tests and tuning only). ``window`` as in ``attention_forward``.
     """
     window = tuple(window)
-    windowed = window != (-1, -1)
     batch, hq, seq_q, e = q.shape
-    hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
-    device = q.device
-    arch = arch_key(device)
+    seq_k, ev = k.shape[2], v.shape[3]
+    arch = arch_key(q.device)
     cfg = config or backward_config(max(e, ev), q.dtype, is_causal, arch)
     if cfg.block_n % cfg.block_m:
         raise ValueError(f"backward config needs block_m dividing block_n, got {cfg}")
     n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
-    requested = _resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, n_kv, arch)
+    requested = resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, n_kv, arch)
     path, kernel_reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal,
                                         requested.name, window)
     if path == HOPPER:
@@ -251,32 +300,69 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         return hopper_backward(grad_out, q, k, v, out, lse, dq, dk, dv, is_causal=is_causal,
                                scale=scale, schedule=requested, max_spin=max_spin,
                                schedule_requested=schedule, kernel_reason=kernel_reason)
-    head_e, head_ev = head_dim_bucket(e), head_dim_bucket(ev)
-    precision = dot_precision(q.dtype)
-    mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
-
     delta = compute_delta(out, grad_out)
-
-    # A fallback keeps dQ in the main kernel and ordered (catalog.fallback), so the buffers and
-    # the waits of the requested schedule serve the one that runs.
-    waits = requested.ordered and not interpreting()
+    # A fallback keeps dQ in the main kernel and ordered (catalog.fallback), so the buffers of the
+    # requested schedule serve the one that runs.
     dq_acc = None
     if not requested.separate_dq:
-        dq_acc = torch.zeros((batch * hq, n_q * cfg.block_n, head_e), device=device, dtype=torch.float32)
-    tickets = torch.zeros((batch * hq * n_q * (cfg.block_n // cfg.block_m),), device=device,
+        dq_acc = torch.zeros((batch * hq, n_q * cfg.block_n, head_dim_bucket(e)), device=q.device,
+                             dtype=torch.float32)
+    tickets = torch.zeros((batch * hq * n_q * (cfg.block_n // cfg.block_m),), device=q.device,
                           dtype=torch.int32)
+    fitted, fallback, grid, error_flag = launch_main(
+        (q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets), None,
+        (seq_q, seq_k, n_q, n_kv), cfg, requested, is_causal=is_causal, window=window, scale=scale,
+        max_spin=max_spin, shape=shape)
+    if is_causal and seq_k > n_q * cfg.block_n:
+        dk[:, :, n_q * cfg.block_n:].zero_()
+        dv[:, :, n_q * cfg.block_n:].zero_()
+    if fitted.separate_dq:
+        launch_dq_pass(q, k, v, grad_out, lse, delta, mask, dq, is_causal=is_causal, scale=scale,
+                       cfg=cfg, window=window)
+    else:
+        dq.copy_(dq_acc.view(batch, hq, n_q * cfg.block_n, -1)[:, :, :seq_q, :e])
+    if error_flag is not None:
+        watch_spin_flag(error_flag, f"{shape}, schedule {fitted.name!r}")
+    return Plan("backward", path, kernel_reason, schedule, fitted.name, fallback, grid, cfg)
+
+
+def launch_main(tensors: tuple, packed: tuple | None, sizes: tuple[int, int, int, int], cfg,
+                requested: Schedule, *, is_causal: bool, window: tuple[int, int], scale: float,
+                max_spin: int, shape: str
+                ) -> tuple[Schedule, str | None, tuple[int], torch.Tensor | None]:
+    """Launch the main kernel with the schedule that can run; return it, why it is not the one
+    requested, the grid, and the spin-error flag to watch (None where nothing waits).
+
+    ``tensors`` = (q, k, v, grad_out, lse, delta, mask, dk, dv, dq accumulator or None, tickets)
+    as (B, H, L, D) views; ``sizes`` = (L, S, Q tiles, KV tiles) per (batch, head). ``packed`` =
+    (cu_seq_q, cu_seq_k, max_q, max_k) makes it the VARLEN kernel: B sequences over the packed
+    tensors (batch stride 0), L and S the packed totals, the tiles those of the longest sequence.
+    """
+    q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets = tensors
+    seq_q, seq_k, n_q, n_kv = sizes
+    batch, hq, _, e = q.shape
+    hkv, ev = k.shape[1], v.shape[3]
+    device = q.device
+    windowed = window != (-1, -1)
+    mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
+    cu_q, cu_k, max_q, max_k = packed or (tickets, tickets, 0, 0)
+    waits = requested.ordered and not interpreting()
     flags = torch.zeros((2,), device=device, dtype=torch.int32)
     error_flag, work_counter = flags[:1], flags[1:]
     args = (q, k, v, grad_out, lse, delta, mask_t, dk, dv,
-            dq_acc if dq_acc is not None else delta, tickets, error_flag, work_counter,
+            dq_acc if dq_acc is not None else delta, tickets, error_flag, work_counter, cu_q, cu_k,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides,
             *dk.stride(), *dv.stride(),
-            hq, hkv, seq_q, seq_k, n_q, n_kv, scale * LOG2E, scale, max_spin, *window)
-    kwargs = dict(GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_e, HEAD_EV=head_ev,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=is_causal,
-                  MASK_KIND=mask_kind(mask), EVEN_L=seq_q % cfg.block_n == 0,
-                  EVEN_S=seq_k % cfg.block_n == 0, WINDOW=windowed, PRECISION=precision,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, scale * LOG2E, scale, max_spin,
+            *window)
+    kwargs = dict(GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e),
+                  HEAD_EV=head_dim_bucket(ev), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  CAUSAL=is_causal, MASK_KIND=mask_kind(mask),
+                  EVEN_L=packed is None and seq_q % cfg.block_n == 0,
+                  EVEN_S=packed is None and seq_k % cfg.block_n == 0, WINDOW=windowed,
+                  VARLEN=packed is not None,
+                  PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
 
     def capacity(s: Schedule) -> int:
         items, constexprs = _schedule_launch(s, is_causal, n_kv, batch * hkv, waits)
@@ -291,20 +377,17 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     elif requested.coresident_head and not interpreting():
         fitted, fallback = fit_schedule(requested, is_causal, n_kv, capacity(requested), shape)
     items, constexprs = _schedule_launch(fitted, is_causal, n_kv, batch * hkv, waits)
-    programs = min(items[1], 3 if interpreting() else capacity(fitted))
-    _backward_main_kernel[(programs,)](*args, *items, **kwargs, **constexprs)
-
-    if is_causal and seq_k > n_q * cfg.block_n:
-        dk[:, :, n_q * cfg.block_n:].zero_()
-        dv[:, :, n_q * cfg.block_n:].zero_()
-    if fitted.separate_dq:
-        launch_dq_pass(q, k, v, grad_out, lse, delta, mask, dq, is_causal=is_causal, scale=scale,
-                       cfg=cfg, window=window)
+    if not interpreting():
+        programs = min(items[1], capacity(fitted))
+    elif packed is None:
+        programs = min(items[1], 3)
     else:
-        dq.copy_(dq_acc.view(batch, hq, n_q * cfg.block_n, head_e)[:, :, :seq_q, :e])
-    if waits:
-        watch_spin_flag(error_flag, f"{shape}, schedule {fitted.name!r}")
-    return Plan("backward", path, kernel_reason, schedule, fitted.name, fallback, (programs,), cfg)
+        # The interpreter runs programs one after another: one program per item of a head adds
+        # each sequence's dQ in the order of its items, wherever the packing puts the sequence.
+        programs = items[0]
+
+    _backward_main_kernel[(programs,)](*args, *items, **kwargs, **constexprs)
+    return fitted, fallback, (programs,), error_flag if waits else None
 
 
 def compute_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:

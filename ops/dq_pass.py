@@ -1,7 +1,8 @@
 """The ``recompute`` schedule's dQ kernel: one program per Q tile sums dS K over its KV tiles in
 ascending order, with no waits (the main kernel of ``ops/backward.py`` then skips dQ). Also the
 per-row statistics both backward kernels load. A sliding window limits each Q tile to the KV tiles
-its rows see; the tiles outside are never loaded.
+its rows see; the tiles outside are never loaded. With VARLEN the batch is virtual, as in the
+forward (``ops/forward.py``): a program reads its sequence's bounds and exits past its length.
 """
 
 from __future__ import annotations
@@ -12,17 +13,23 @@ import triton.language as tl
 
 from .configs import head_dim_bucket
 from .launch import dot_precision, mask_kind
-from .tiles import key_tile_range, load_tile, masked_scores, mm, window_keep
+from .tiles import key_tile_range, load_tile, masked_scores, mm, sequence_bounds, window_keep
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def load_row_stats(LSE, DELTA, row_base, rows, L, CHECK_ROWS: tl.constexpr):
-    """Log2-domain logsumexp (+inf where a row sees no key, so its probabilities are 0) and delta."""
-    if CHECK_ROWS:
-        lse = tl.load(LSE + row_base + rows, mask=rows < L, other=float("-inf"))
-        delta = tl.load(DELTA + row_base + rows, mask=rows < L, other=0.0)
+def load_row_stats(LSE, DELTA, row_base, rows, lo, hi, CHECK_LO: tl.constexpr,
+                   CHECK_ROWS: tl.constexpr):
+    """Log2-domain logsumexp (+inf where a row sees no key, so its probabilities are 0) and delta
+    of ``rows`` (outside [``lo``, ``hi``) where checked: +inf and 0)."""
+    if CHECK_LO:
+        inside = (rows >= lo) & (rows < hi)
+        lse = tl.load(LSE + row_base + rows, mask=inside, other=float("-inf"))
+        delta = tl.load(DELTA + row_base + rows, mask=inside, other=0.0)
+    elif CHECK_ROWS:
+        lse = tl.load(LSE + row_base + rows, mask=rows < hi, other=float("-inf"))
+        delta = tl.load(DELTA + row_base + rows, mask=rows < hi, other=0.0)
     else:
         lse = tl.load(LSE + row_base + rows)
         delta = tl.load(DELTA + row_base + rows)
@@ -31,7 +38,7 @@ def load_row_stats(LSE, DELTA, row_base, rows, L, CHECK_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, cols, L, S, qk_scale,
+def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, cols, L, S, diag, qk_scale,
                   stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
                   win_left, win_right,
                   E: tl.constexpr, EV: tl.constexpr, HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
@@ -44,10 +51,10 @@ def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, cols, L, S, qk_scale
     """
     k = load_tile(K, cols, tl.arange(0, HEAD_E), stride_kn, stride_ke, S, E, BOUNDS, E != HEAD_E)
     v = load_tile(V, cols, tl.arange(0, HEAD_EV), stride_vn, stride_ve, S, EV, BOUNDS, EV != HEAD_EV)
-    s = masked_scores(q, k, rows, cols, L, S, qk_scale, MASK, stride_mm, stride_mn,
+    s = masked_scores(q, k, rows, cols, L, S, diag, qk_scale, MASK, stride_mm, stride_mn,
                       MASK_KIND, CAUSAL, BOUNDS, PRECISION)
     if WINDOW:
-        s = tl.where(window_keep(rows[:, None], cols[None, :], win_left, win_right), s,
+        s = tl.where(window_keep(rows[:, None] + diag, cols[None, :], win_left, win_right), s,
                      float("-inf"))
     p = tl.math.exp2(s - lse2[:, None])
     dp = mm(do, tl.trans(v), PRECISION)
@@ -57,70 +64,101 @@ def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, cols, L, S, qk_scale
 
 @triton.jit
 def _backward_dq_kernel(
-        Q, K, V, DO, LSE, DELTA, MASK, DQ,
+        Q, K, V, DO, LSE, DELTA, MASK, DQ, CU_Q, CU_K,
         stride_qb, stride_qh, stride_qm, stride_qe,
         stride_kb, stride_kh, stride_kn, stride_ke,
         stride_vb, stride_vh, stride_vn, stride_ve,
         stride_db, stride_dh, stride_dm, stride_de,
         stride_mb, stride_mh, stride_mm, stride_mn,
         stride_dqb, stride_dqh, stride_dqm, stride_dqe,
-        HQ, L, S, qk_scale, sm_scale, win_left, win_right,
+        stride_lb, stride_lh,
+        HQ, L, S, max_q, max_k, qk_scale, sm_scale, win_left, win_right,
         GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
         HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         EVEN_M: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WINDOW: tl.constexpr,
-        PRECISION: tl.constexpr):
+        VARLEN: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of one Q tile from all its KV tiles in ascending order (recompute schedule): no waits."""
-    pid_bh = tl.program_id(1)
+    M_AXIS: tl.constexpr = 1 if VARLEN else 0  # sequences x heads may pass 65535 programs
+    pid_bh = tl.program_id(1 - M_AXIS)
     b = pid_bh // HQ
     hq = pid_bh % HQ
     hkv = hq // GROUP
     if CAUSAL:  # the last Q tiles see the most keys: launch them first, for a shorter tail
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+        start_m = (tl.num_programs(M_AXIS) - 1 - tl.program_id(M_AXIS)) * BLOCK_M
     else:
-        start_m = tl.program_id(0) * BLOCK_M
+        start_m = tl.program_id(M_AXIS) * BLOCK_M
+    q_base = b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh
+    do_base = b.to(tl.int64) * stride_db + hq.to(tl.int64) * stride_dh
+    dq_base = b.to(tl.int64) * stride_dqb + hq.to(tl.int64) * stride_dqh
+    k_base = b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_base = b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    row_base = b.to(tl.int64) * stride_lb + hq.to(tl.int64) * stride_lh
+    diag = 0
+    if VARLEN:  # the batch stride is 0: rows start at the sequence's offset
+        q0, L, k0, S = sequence_bounds(CU_Q, CU_K, b, L, S, max_q, max_k)
+        if start_m >= L:
+            return
+        q_base += q0.to(tl.int64) * stride_qm
+        do_base += q0.to(tl.int64) * stride_dm
+        dq_base += q0.to(tl.int64) * stride_dqm
+        k_base += k0.to(tl.int64) * stride_kn
+        v_base += k0.to(tl.int64) * stride_vn
+        row_base += q0
+        diag = S - L
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_e = tl.arange(0, HEAD_E)
     offs_ev = tl.arange(0, HEAD_EV)
-    q = load_tile(Q + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh, rows, offs_e,
-                  stride_qm, stride_qe, L, E, not EVEN_M, E != HEAD_E)
-    do = load_tile(DO + b.to(tl.int64) * stride_db + hq.to(tl.int64) * stride_dh, rows, offs_ev,
-                   stride_dm, stride_de, L, EV, not EVEN_M, EV != HEAD_EV)
-    lse2, delta = load_row_stats(LSE, DELTA, pid_bh.to(tl.int64) * L, rows, L, not EVEN_M)
-    k_ptr = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
-    v_ptr = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    check_rows = VARLEN or not EVEN_M
+    q = load_tile(Q + q_base, rows, offs_e, stride_qm, stride_qe, L, E, check_rows, E != HEAD_E)
+    do = load_tile(DO + do_base, rows, offs_ev, stride_dm, stride_de, L, EV, check_rows,
+                   EV != HEAD_EV)
+    lse2, delta = load_row_stats(LSE, DELTA, row_base, rows, 0, L, False, check_rows)
+    k_ptr = K + k_base
+    v_ptr = V + v_base
     mask_ptr = MASK + b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
-    start, full_end, end = key_tile_range(start_m, S, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+    start, full_end, end = key_tile_range(start_m, S, diag, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
                                           win_left, win_right)
     offs_n = tl.arange(0, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_E], tl.float32)
     for start_n in range(start, full_end, BLOCK_N):
         dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
-                           L, S, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve, stride_mm,
-                           stride_mn, win_left, win_right, E, EV, HEAD_E, HEAD_EV, False, False,
-                           MASK_KIND, False, PRECISION)
+                           L, S, diag, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve,
+                           stride_mm, stride_mn, win_left, win_right, E, EV, HEAD_E, HEAD_EV,
+                           False, False, MASK_KIND, False, PRECISION)
     for start_n in range(full_end, end, BLOCK_N):
         dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
-                           L, S, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve, stride_mm,
-                           stride_mn, win_left, win_right, E, EV, HEAD_E, HEAD_EV, CAUSAL, True,
-                           MASK_KIND, WINDOW, PRECISION)
-    tl.store(DQ + b.to(tl.int64) * stride_dqb + hq.to(tl.int64) * stride_dqh
-             + rows[:, None] * stride_dqm + offs_e[None, :] * stride_dqe,
+                           L, S, diag, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve,
+                           stride_mm, stride_mn, win_left, win_right, E, EV, HEAD_E, HEAD_EV,
+                           CAUSAL, True, MASK_KIND, WINDOW, PRECISION)
+    tl.store(DQ + dq_base + rows[:, None] * stride_dqm + offs_e[None, :] * stride_dqe,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(rows[:, None] < L) & (offs_e[None, :] < E))
 
 
 def launch_dq_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor | None,
                    dq: torch.Tensor, *, is_causal: bool, scale: float, cfg,
-                   window: tuple[int, int] = (-1, -1)) -> None:
-    """The ``recompute`` schedule's dQ kernel: each Q tile sums its KV tiles in ascending order."""
+                   window: tuple[int, int] = (-1, -1), packed: tuple | None = None) -> None:
+    """The ``recompute`` schedule's dQ kernel: each Q tile sums its KV tiles in ascending order.
+
+    ``packed`` = (cu_seq_q, cu_seq_k, max_q, max_k) runs it over packed sequences (VARLEN): the
+    (B, H, T, D) views have batch stride 0, B sequences, ``lse``/``delta`` are (H, T), and the
+    grid is (B * H, Q tiles)."""
     batch, hq, seq_q, e = q.shape
     hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
     mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
-    _backward_dq_kernel[(triton.cdiv(seq_q, cfg.dq_block_m), batch * hq)](
-        q, k, v, grad_out, lse, delta, mask_t, dq,
+    if packed is None:
+        cu_q, cu_k, max_q, max_k = lse, lse, 0, 0
+        grid, lse_strides = (triton.cdiv(seq_q, cfg.dq_block_m), batch * hq), (hq * seq_q, seq_q)
+    else:
+        cu_q, cu_k, max_q, max_k = packed
+        grid, lse_strides = (batch * hq, triton.cdiv(max_q, cfg.dq_block_m)), (0, seq_q)
+    _backward_dq_kernel[grid](
+        q, k, v, grad_out, lse, delta, mask_t, dq, cu_q, cu_k,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides, *dq.stride(),
-        hq, seq_q, seq_k, scale * LOG2E, scale, *window,
+        *lse_strides, hq, seq_q, seq_k, max_q, max_k, scale * LOG2E, scale, *window,
         GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e), HEAD_EV=head_dim_bucket(ev),
-        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, EVEN_M=seq_q % cfg.dq_block_m == 0,
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+        EVEN_M=packed is None and seq_q % cfg.dq_block_m == 0,
         CAUSAL=is_causal, MASK_KIND=mask_kind(mask), WINDOW=tuple(window) != (-1, -1),
-        PRECISION=dot_precision(q.dtype), num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages)
+        VARLEN=packed is not None, PRECISION=dot_precision(q.dtype), num_warps=cfg.dq_num_warps,
+        num_stages=cfg.dq_num_stages)

@@ -6,6 +6,10 @@ skips the KV tiles entirely above the diagonal and masks only the diagonal band;
 window (``window``: left, right, -1 = open) skips the KV tiles outside it and masks the rest;
 user masks are loaded tile by tile through their (possibly zero) strides; GQA reads the KV head
 ``h // group``.
+
+With VARLEN the batch is virtual: program (seq * Hq + h, m) reads sequence ``seq``'s rows and
+length from the packed offsets (``tiles.sequence_bounds``), exits past its length, and aligns
+causal and window bottom-right (diagonal key ``S - L``), as FlashAttention's varlen kernels.
 """
 
 from __future__ import annotations
@@ -18,18 +22,18 @@ from .configs import arch_key, forward_config, head_dim_bucket
 from .dispatch import PORTABLE, select_kernel
 from .launch import dot_precision, mask_kind
 from .plan import Plan
-from .tiles import key_tile_range, load_tile, masked_scores, mm, window_keep
+from .tiles import key_tile_range, load_tile, masked_scores, mm, sequence_bounds, window_keep
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _scores_tile(q, K, offs_m, cols, L, S, qk_scale, MASK, stride_mm, stride_mn, stride_kn, stride_ke,
-                 MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BOUNDS: tl.constexpr,
+def _scores_tile(q, K, offs_m, cols, L, S, diag, qk_scale, MASK, stride_mm, stride_mn, stride_kn,
+                 stride_ke, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BOUNDS: tl.constexpr,
                  E: tl.constexpr, HEAD_E: tl.constexpr, PRECISION: tl.constexpr):
     """Load one K tile and return its masked log2-domain scores against the resident Q tile."""
     k = load_tile(K, cols, tl.arange(0, HEAD_E), stride_kn, stride_ke, S, E, BOUNDS, E != HEAD_E)
-    return masked_scores(q, k, offs_m, cols, L, S, qk_scale, MASK, stride_mm, stride_mn,
+    return masked_scores(q, k, offs_m, cols, L, S, diag, qk_scale, MASK, stride_mm, stride_mn,
                          MASK_KIND, CAUSAL, BOUNDS, PRECISION)
 
 
@@ -51,20 +55,22 @@ def _online_step(acc, m_i, l_i, s, V, start_n, offs_n, S, stride_vn, stride_ve,
 
 @triton.jit
 def _attention_forward_kernel(
-        Q, K, V, MASK, OUT, LSE,
+        Q, K, V, MASK, OUT, LSE, CU_Q, CU_K,
         stride_qb, stride_qh, stride_qm, stride_qe,
         stride_kb, stride_kh, stride_kn, stride_ke,
         stride_vb, stride_vh, stride_vn, stride_ve,
         stride_mb, stride_mh, stride_mm, stride_mn,
         stride_ob, stride_oh, stride_om, stride_oe,
-        HQ, L, S, qk_scale, win_left, win_right,
+        stride_lb, stride_lh,
+        HQ, L, S, max_q, max_k, qk_scale, win_left, win_right,
         GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
         HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WINDOW: tl.constexpr,
-        PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+        VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+    M_AXIS: tl.constexpr = 1 if VARLEN else 0  # sequences x heads may pass 65535 programs
+    pid_m = tl.program_id(M_AXIS)
+    pid_bh = tl.program_id(1 - M_AXIS)
     b = pid_bh // HQ
     hq = pid_bh % HQ
     hkv = hq // GROUP
@@ -73,31 +79,47 @@ def _attention_forward_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_ev = tl.arange(0, HEAD_EV)
 
-    q = load_tile(Q + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh, offs_m,
-                  tl.arange(0, HEAD_E), stride_qm, stride_qe, L, E, not EVEN_M, E != HEAD_E)
-    k_ptr = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
-    v_ptr = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    q_base = b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh
+    k_base = b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_base = b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    o_base = b.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh
+    lse_base = b.to(tl.int64) * stride_lb + hq.to(tl.int64) * stride_lh
+    diag = 0
+    if VARLEN:  # the batch stride is 0: rows start at the sequence's offset
+        q0, L, k0, S = sequence_bounds(CU_Q, CU_K, b, L, S, max_q, max_k)
+        if start_m >= L:
+            return
+        q_base += q0.to(tl.int64) * stride_qm
+        o_base += q0.to(tl.int64) * stride_om
+        k_base += k0.to(tl.int64) * stride_kn
+        v_base += k0.to(tl.int64) * stride_vn
+        lse_base += q0
+        diag = S - L
+    q = load_tile(Q + q_base, offs_m, tl.arange(0, HEAD_E), stride_qm, stride_qe, L, E,
+                  VARLEN or not EVEN_M, E != HEAD_E)
+    k_ptr = K + k_base
+    v_ptr = V + v_base
     mask_ptr = MASK + b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_EV], tl.float32)
 
-    start, full_end, end = key_tile_range(start_m, S, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+    start, full_end, end = key_tile_range(start_m, S, diag, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
                                           win_left, win_right)
     for start_n in range(start, full_end, BLOCK_N):
-        s = _scores_tile(q, k_ptr, offs_m, start_n + offs_n, L, S, qk_scale,
+        s = _scores_tile(q, k_ptr, offs_m, start_n + offs_n, L, S, diag, qk_scale,
                          mask_ptr, stride_mm, stride_mn, stride_kn, stride_ke,
                          MASK_KIND, False, False, E, HEAD_E, PRECISION)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptr, start_n, offs_n, S,
                                      stride_vn, stride_ve, False, EV, HEAD_EV, PRECISION)
     for start_n in range(full_end, end, BLOCK_N):
         s = _scores_tile(q, k_ptr, offs_m, start_n + offs_n,
-                         L, S, qk_scale, mask_ptr, stride_mm, stride_mn, stride_kn, stride_ke,
+                         L, S, diag, qk_scale, mask_ptr, stride_mm, stride_mn, stride_kn, stride_ke,
                          MASK_KIND, CAUSAL, True, E, HEAD_E, PRECISION)
         if WINDOW:
-            s = tl.where(window_keep(offs_m[:, None], (start_n + offs_n)[None, :], win_left,
-                                     win_right), s, float("-inf"))
+            s = tl.where(window_keep(offs_m[:, None] + diag, (start_n + offs_n)[None, :],
+                                     win_left, win_right), s, float("-inf"))
         acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptr, start_n, offs_n, S,
                                      stride_vn, stride_ve, True, EV, HEAD_EV, PRECISION)
 
@@ -105,10 +127,9 @@ def _attention_forward_kernel(
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    o_ptrs = (OUT + b.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh
-              + offs_m[:, None] * stride_om + offs_ev[None, :] * stride_oe)
+    o_ptrs = OUT + o_base + offs_m[:, None] * stride_om + offs_ev[None, :] * stride_oe
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=(offs_m[:, None] < L) & (offs_ev[None, :] < EV))
-    tl.store(LSE + pid_bh.to(tl.int64) * L + offs_m, lse, mask=offs_m < L)
+    tl.store(LSE + lse_base + offs_m, lse, mask=offs_m < L)
 
 
 def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -134,18 +155,34 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if path != PORTABLE:
         raise ValueError(f"dash attention forward: no launcher for kernel path {path!r}")
     batch, hq, seq_q, e = q.shape
-    hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
+    ev = v.shape[3]
     if not lse.is_contiguous():
         raise ValueError("lse must be a contiguous fp32 tensor of shape (B, Hq, L)")
     cfg = config or forward_config(max(e, ev), q.dtype, is_causal, arch_key(q.device))
-    mask_t, mask_strides = _mask_args(mask, q)
     grid = (triton.cdiv(seq_q, cfg.block_m), batch * hq)
-    _attention_forward_kernel[grid](
-        q, k, v, mask_t, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
-        hq, seq_q, seq_k, scale * LOG2E, *window,
-        GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e), HEAD_EV=head_dim_bucket(ev),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN_M=seq_q % cfg.block_m == 0,
-        CAUSAL=is_causal, MASK_KIND=mask_kind(mask), WINDOW=tuple(window) != (-1, -1),
-        PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch_forward(grid, q, k, v, mask, out, lse, (hq * seq_q, seq_q), None, cfg,
+                   is_causal=is_causal, scale=scale, window=window)
     return Plan("forward", path, kernel_reason, None, None, None, grid, cfg)
+
+
+def launch_forward(grid: tuple[int, int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+                   lse_strides: tuple[int, int], packed: tuple | None, cfg, *, is_causal: bool,
+                   scale: float, window: tuple[int, int]) -> None:
+    """Launch the forward kernel on (B, H, L, D) views; ``lse_strides`` are its (batch, head)
+    strides. ``packed`` = (cu_seq_q, cu_seq_k, max_q, max_k) makes it the VARLEN kernel: the
+    views are the packed tensors with batch stride 0, B the number of sequences, and the grid's
+    axes swapped: (B * H, Q tiles)."""
+    batch, hq, seq_q, e = q.shape
+    hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
+    mask_t, mask_strides = _mask_args(mask, q)
+    cu_q, cu_k, max_q, max_k = packed or (lse, lse, 0, 0)
+    _attention_forward_kernel[grid](
+        q, k, v, mask_t, out, lse, cu_q, cu_k,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(), *lse_strides,
+        hq, seq_q, seq_k, max_q, max_k, scale * LOG2E, *window,
+        GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e), HEAD_EV=head_dim_bucket(ev),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        EVEN_M=packed is None and seq_q % cfg.block_m == 0, CAUSAL=is_causal, MASK_KIND=mask_kind(mask), WINDOW=tuple(window) != (-1, -1),
+        VARLEN=packed is not None, PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)

@@ -12,6 +12,7 @@ import functools
 import inspect
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -107,7 +108,7 @@ def warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-_PENDING: list[tuple[torch.Tensor, "torch.cuda.Event", str]] = []
+_PENDING: list[tuple[torch.Tensor, "torch.cuda.Event", str | Callable[[int], Exception]]] = []
 
 
 def _spin_error(what: str) -> RuntimeError:
@@ -118,7 +119,8 @@ def _spin_error(what: str) -> RuntimeError:
 
 
 def check_spin_flags(wait: bool = False) -> None:
-    """Raise for an earlier backward whose bounded dQ wait gave up (its gradients are invalid).
+    """Raise for an earlier backward whose bounded dQ wait gave up (its gradients are invalid), or
+    for another watched flag that was set (e.g. packed offsets that break their contract).
 
     Looks only at launches the GPU has finished, so it never blocks the host, unless ``wait``:
     then it waits for every watched launch (tests, and callers that want the answer now).
@@ -129,18 +131,20 @@ def check_spin_flags(wait: bool = False) -> None:
             done.synchronize()
         if done.query():
             if failed is None and int(host_flag[0]) != 0:
-                failed = what
+                failed = what, int(host_flag[0])
         else:
             pending.append((host_flag, done, what))
     _PENDING[:] = pending
     if failed is not None:
-        raise _spin_error(failed)
+        what, code = failed
+        raise what(code) if callable(what) else _spin_error(what)
 
 
-def watch_spin_flag(error_flag: torch.Tensor, what: str) -> None:
+def watch_spin_flag(error_flag: torch.Tensor, what: str | Callable[[int], Exception]) -> None:
     """Check a launch's error flag without a host sync: copy it to pinned host memory on the
     stream and look at it once the GPU is past it (:func:`check_spin_flags`, run by every backward
-    launch). Under CUDA-graph capture the flag stays on the device, unwatched."""
+    launch). ``what`` names the launch in the spin error, or makes the error from the flag's
+    nonzero value. Under CUDA-graph capture the flag stays on the device, unwatched."""
     check_spin_flags()
     if torch.cuda.is_current_stream_capturing():
         return

@@ -37,6 +37,17 @@ def slot_kv_tile(item, slot, n_kv, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr)
 
 
 @triton.jit
+def items_in_head(n_kv, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr):
+    """Work items of a head of ``n_kv`` KV tiles: ``catalog.Schedule.items_per_head`` on the device,
+    for packed sequences, whose tile counts the kernel reads from the offsets."""
+    if CAUSAL and SCHEDULE == SHIFT:
+        count = (n_kv + 1) // 2
+    else:
+        count = n_kv + 0
+    return count
+
+
+@triton.jit
 def visit_count(kv, n_q, CAUSAL: tl.constexpr):
     """Number of Q tiles KV tile ``kv`` interacts with (causal, top-left: Q tiles kv..n_q-1)."""
     if CAUSAL:

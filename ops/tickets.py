@@ -1,4 +1,5 @@
-"""The ordered dQ reduction's ticket protocol: one int32 ticket per (b, hq, Q sub-tile).
+"""The ordered dQ reduction's ticket protocol: one int32 ticket per (b, hq, Q sub-tile) (for packed
+sequences, per (hq, first packed row of the sub-tile)).
 
 A contribution of rank r waits until its ticket reads r, adds its dQ tile with relaxed fp32
 atomics, and hands the ticket to rank r+1. The hand-over is deferred by one step: a program
@@ -70,20 +71,22 @@ def _spin_until(ticket_ptr, rank, seen, ERR, max_spin):
 
 @triton.jit
 def add_in_turn(acc_ptrs, dq, ticket_ptr, rank, held, held_amount, ERR, max_spin,
-                WAITS: tl.constexpr):
+                WAITS: tl.constexpr, mask):
     """Release the ticket held from the previous step, wait for ``rank``'s turn, add ``dq``.
 
     Returns the ticket this program now holds and the amount its release will add. Without WAITS
     (the CPU interpreter runs programs one after another and has no inline assembly) the adds are
-    plain atomics and no ticket is touched.
+    plain atomics and no ticket is touched. ``mask`` (None: all) limits the adds to the rows that
+    exist: a packed sequence's tile may start before its first row.
     """
     if WAITS:
         after_math = tl.max(tl.max(dq, axis=1), axis=0).to(tl.int32, bitcast=True)
         seen = _release_then_poll(held, held_amount, ticket_ptr, after_math)
         seen = _spin_until(ticket_ptr, rank, seen, ERR, max_spin)
-        tl.atomic_add(acc_ptrs + _opaque_zero(seen) * 16, dq, sem="relaxed")  # keeps alignment
+        tl.atomic_add(acc_ptrs + _opaque_zero(seen) * 16, dq, mask=mask,
+                      sem="relaxed")  # keeps alignment
     else:
-        tl.atomic_add(acc_ptrs, dq, sem="relaxed")
+        tl.atomic_add(acc_ptrs, dq, mask=mask, sem="relaxed")
     return ticket_ptr, 1
 
 

@@ -3,7 +3,9 @@
 Loads check only the bounds that can be exceeded (constexpr flags), so the hot loops over whole
 tiles issue unmasked, vectorisable loads; the dot widens bf16 where the CPU interpreter needs it;
 scores come out in the log2 domain with every mask applied, for the kernels that keep queries
-along dim 0 (the forward and the dQ pass).
+along dim 0 (the forward and the dQ pass). ``diag`` is the key on query 0's diagonal: 0 for
+``dash.attention`` (top-left), ``S - L`` for a packed sequence (bottom-right, as FlashAttention).
+Packed sequences (``VARLEN`` kernels) read their bounds from the offsets with ``sequence_bounds``.
 """
 
 import triton
@@ -27,6 +29,57 @@ def load_tile(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols,
 
 
 @triton.jit
+def load_rows(ptr, rows, cols, stride_r, stride_c, lo, hi, n_cols, CHECK_LO: tl.constexpr,
+              CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """``load_tile`` of rows ``lo <= rows < hi`` when CHECK_LO (a packed sequence's rows in
+    coordinates that start before its first row), else of rows below ``hi`` as ``load_tile``."""
+    if CHECK_LO:
+        inside = (rows[:, None] >= lo) & (rows[:, None] < hi)
+        if CHECK_COLS:
+            inside = inside & (cols[None, :] < n_cols)
+        tile = tl.load(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=inside,
+                       other=0.0)
+    else:
+        tile = load_tile(ptr, rows, cols, stride_r, stride_c, hi, n_cols, CHECK_ROWS, CHECK_COLS)
+    return tile
+
+
+@triton.jit
+def sequence_bounds(CU_Q, CU_K, seq, total_q, total_k, max_q, max_k):
+    """(first query row, queries, first key row, keys) of packed sequence ``seq``, int32.
+
+    Offsets that break the contract (checked on the host for CPU tensors, flagged by the offsets
+    check on CUDA) make the sequence empty, so no kernel reads or writes outside the tensors.
+    """
+    q0 = tl.load(CU_Q + seq).to(tl.int32)
+    q1 = tl.load(CU_Q + seq + 1).to(tl.int32)
+    k0 = tl.load(CU_K + seq).to(tl.int32)
+    k1 = tl.load(CU_K + seq + 1).to(tl.int32)
+    valid = ((q0 >= 0) & (q1 >= q0) & (q1 - q0 <= max_q) & (q1 <= total_q)
+             & (k0 >= 0) & (k1 >= k0) & (k1 - k0 <= max_k) & (k1 <= total_k))
+    return (tl.where(valid, q0, 0), tl.where(valid, q1 - q0, 0), tl.where(valid, k0, 0),
+            tl.where(valid, k1 - k0, 0))
+
+
+@triton.jit
+def diagonal_origin(seq_l, seq_s, ALIGNED: tl.constexpr):
+    """(row of query 0, column of key 0) of a packed sequence in the backward's tile coordinates.
+
+    When ALIGNED (causal or a window), queries are shifted by S - L or keys by L - S so that query
+    i's diagonal key (i + S - L, bottom-right) sits on row = column: the masks and the schedules'
+    tile walks and ranks are then the top-left ones of ``dash.attention``, on a square of
+    max(L, S). Rows and columns before the origin are padding: never loaded or stored.
+    """
+    if ALIGNED:
+        q_lo = tl.maximum(seq_s - seq_l, 0)
+        k_lo = tl.maximum(seq_l - seq_s, 0)
+    else:
+        q_lo = seq_l * 0
+        k_lo = seq_s * 0
+    return q_lo, k_lo
+
+
+@triton.jit
 def mm(a, b, PRECISION: tl.constexpr):
     """``tl.dot(a, b)`` with fp32 accumulation at the precision chosen by ``dot_precision``.
 
@@ -41,13 +94,14 @@ def mm(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def masked_scores(q, k, rows, cols, L, S, qk_scale, MASK, stride_mm, stride_mn,
+def masked_scores(q, k, rows, cols, L, S, diag, qk_scale, MASK, stride_mm, stride_mn,
                   MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BOUNDS: tl.constexpr,
                   PRECISION: tl.constexpr):
     """``q k^T`` for query ``rows`` and key ``cols`` in the log2 domain, masks applied (-inf).
 
     ``MASK`` points at this (batch, head)'s mask; MASK_KIND 1 is boolean (True = attend), 2 is
-    additive. BOUNDS masks keys at or past ``S``; CAUSAL keeps keys at or before the query.
+    additive. BOUNDS masks keys at or past ``S``; CAUSAL keeps keys at or before the query's
+    diagonal key (row + ``diag``).
     """
     s = mm(q, tl.trans(k), PRECISION) * qk_scale
     if MASK_KIND == 1:
@@ -61,7 +115,7 @@ def masked_scores(q, k, rows, cols, L, S, qk_scale, MASK, stride_mm, stride_mn,
     if BOUNDS:
         s = tl.where(cols[None, :] < S, s, float("-inf"))
     if CAUSAL:
-        s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+        s = tl.where(cols[None, :] <= rows[:, None] + diag, s, float("-inf"))
     return s
 
 
@@ -73,20 +127,21 @@ def window_keep(rows, cols, left, right):
 
 
 @triton.jit
-def key_tile_range(start_m, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def key_tile_range(start_m, S, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, win_left, win_right):
     """The keys that query rows [start_m, start_m + BLOCK_M) visit, for kernels that keep queries
     along dim 0 (the forward and the dQ pass): tiles in [start, full_end) need no causal, bounds or
-    window masking, tiles in [full_end, end) need them; keys past ``end`` are never loaded."""
+    window masking, tiles in [full_end, end) need them; keys past ``end`` are never loaded.
+    ``end`` may be negative (rows whose diagonal lies before key 0 see nothing): loops are empty."""
     if CAUSAL:
-        end = tl.minimum(start_m + BLOCK_M, S)
-        full_end = tl.minimum((start_m + 1) // BLOCK_N, S // BLOCK_N) * BLOCK_N
+        end = tl.minimum(start_m + BLOCK_M + diag, S)
+        full_end = tl.minimum(tl.maximum(start_m + 1 + diag, 0) // BLOCK_N, S // BLOCK_N) * BLOCK_N
     else:
         end = S
         full_end = (S // BLOCK_N) * BLOCK_N
     start = 0
     if WINDOW:  # every visited tile is masked, in the second loop
-        start, end = window_key_range(start_m, end, BLOCK_M, BLOCK_N, win_left, win_right)
+        start, end = window_key_range(start_m + diag, end, BLOCK_M, BLOCK_N, win_left, win_right)
         full_end = start
     return start, full_end, end
 
@@ -94,7 +149,8 @@ def key_tile_range(start_m, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 @triton.jit
 def window_key_range(start_m, end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, left, right):
     """[first KV tile's start, end) of the keys that query rows [start_m, start_m + BLOCK_M) can
-    see under the window, within [0, ``end``): the tiles outside are never loaded."""
+    see under the window (``start_m`` shifted by the diagonal, possibly negative), within
+    [0, ``end``): the tiles outside are never loaded."""
     lo = tl.where(left >= 0, tl.maximum(start_m - left, 0), 0)
     hi = tl.where(right >= 0, tl.minimum(end, start_m + BLOCK_M + right), end)
     return (lo // BLOCK_N) * BLOCK_N, hi
