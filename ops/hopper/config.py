@@ -20,6 +20,12 @@ HEAD_DIMS = (64, 128)
 #: critical path; ``recompute`` and ``atomic`` have no waits and stayed faster on the portable path.
 FASTER_ON_HOPPER = ORDERED
 
+#: What ``schedule="auto"`` resolves to where the Hopper path takes the inputs: ``shift`` was the
+#: fastest deterministic schedule at every point of the H100 table (docs/benchmarks.md; d128 4k
+#: full 466 against the portable ``recompute``'s 397 TFLOP/s, causal 413 against 353; d64 full a
+#: tie, 361 against 366). Elsewhere ``auto`` stays the portable ``recompute``.
+AUTO_ON_HOPPER = "shift"
+
 
 @dataclass(frozen=True)
 class HopperBackwardConfig:
