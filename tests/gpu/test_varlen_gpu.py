@@ -89,12 +89,13 @@ def _sdpa(q, k, v, do, lens_q, lens_k, window, dtype):
     return out.detach(), *(t.grad if t.grad is not None else torch.zeros_like(t) for t in (q, k, v))
 
 
-def _assert_flash_rule(ours, same, ref):
+def _assert_flash_rule(ours, same, ref, what=""):
     """|ours - ref| <= 2 |same - ref| + 1e-3 (max over elements), as FlashAttention tests."""
     for name, a, s, r in zip(("out", "dq", "dk", "dv"), ours, same, ref):
         ours_err = (a.float() - r).abs().max().item()
         torch_err = (s.float() - r).abs().max().item()
-        assert ours_err <= 2 * torch_err + 1e-3, f"{name}: {ours_err:.3g} > 2*{torch_err:.3g}+1e-3"
+        assert ours_err <= 2 * torch_err + 1e-3, \
+            f"{what} {name}: {ours_err:.3g} > 2*{torch_err:.3g}+1e-3"
 
 
 @pytest.mark.parametrize("mask", MASKS)
@@ -106,7 +107,7 @@ def test_flash_rule_every_schedule(packing, mask):
     same = _sdpa(q, k, v, do, lens_q, lens_k, MASKS[mask], torch.bfloat16)
     for schedule in (*DETERMINISTIC, "atomic"):
         ours = _ours(q, k, v, do, lens_q, lens_k, MASKS[mask], schedule)
-        _assert_flash_rule((ours[0], *ours[2:]), same, ref)
+        _assert_flash_rule((ours[0], *ours[2:]), same, ref, schedule)
 
 
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
