@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 import dash_inductor  # noqa: E402
 import outdir  # noqa: E402
+from methods import determinism  # noqa: E402
 from dash_inductor import integrations  # noqa: E402
 
 #: name -> (attn_implementation, deterministic algorithms, "DASH" provider active)
@@ -83,17 +84,6 @@ def environment(device: str) -> dict[str, Any]:
             "cuda": torch.version.cuda, "transformers": transformers.__version__,
             "dash_inductor": dash_inductor.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-
-
-@contextlib.contextmanager
-def determinism(enabled: bool) -> Iterator[None]:
-    saved = (torch.are_deterministic_algorithms_enabled(),
-             torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(enabled)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
 
 
 @contextlib.contextmanager
