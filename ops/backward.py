@@ -292,14 +292,17 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
     requested = resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, n_kv, arch)
+    path = None
     if schedule == catalog.AUTO and kernel != "portable":
         from .hopper.config import AUTO_ON_HOPPER
 
-        if select_kernel(kernel, "backward", q, k, v, mask, is_causal, AUTO_ON_HOPPER,
-                         window)[0] == HOPPER:
+        path, kernel_reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal,
+                                            AUTO_ON_HOPPER, window)
+        if path == HOPPER:
             requested = catalog.get(AUTO_ON_HOPPER)
-    path, kernel_reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal,
-                                        requested.name, window)
+    if path != HOPPER:
+        path, kernel_reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal,
+                                            requested.name, window)
     if path == HOPPER:
         from .hopper.launch import attention_backward as hopper_backward
 
