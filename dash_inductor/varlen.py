@@ -82,22 +82,12 @@ def _packed():
     return packed
 
 
-def _per_sequence(query: Tensor, kernel_path: str) -> bool:
-    """Whether the Triton path launches per sequence. The Hopper kernels take no offsets; and on
-    CUDA the packed kernels are held back: their first GPU run (H100) hit an illegal memory access
-    on packings whose sequences have Lq != Lk under causal or window masks
-    (tests/gpu/test_varlen_gpu.py), so CUDA keeps the per-sequence launches, which passed there,
-    until that is fixed. The interpreter runs the packed kernels (the CPU tests)."""
-    return kernel_path == HOPPER or query.device.type == "cuda"
-
-
 def _segments(query: Tensor, key: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int,
               max_k: int, cpu_backend: str, kernel_path: str) -> list[packing.Segment] | None:
     """The sequences, read on the host, for the paths that need them (the reference and the
     per-sequence Hopper launches), and for CPU offsets, where reading them is free and makes a
     breach of their contract an error now; None on the CUDA hot path, which checks on the device."""
-    if (query.device.type == "cpu" or not _uses_triton(query, cpu_backend)
-            or _per_sequence(query, kernel_path)):
+    if query.device.type == "cpu" or not _uses_triton(query, cpu_backend) or kernel_path == HOPPER:
         return packing.sequences(query, key, cu_seq_q, cu_seq_k, max_q, max_k)
     return None
 
@@ -134,7 +124,7 @@ def _varlen_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, w
     if not _uses_triton(query, cpu_backend):
         reference_varlen.forward(query, key, value, segments, _scale(query, scale), window, out,
                                  lse)
-    elif _per_sequence(query, kernel_path):
+    elif kernel_path == HOPPER:
         _per_sequence_forward(query, key, value, segments, _scale(query, scale), window, out, lse,
                               kernel_path)
     else:
@@ -200,7 +190,7 @@ def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_
     if not _uses_triton(query, cpu_backend):
         reference_varlen.backward(grad_out, query, key, value, out, logsumexp, segments,
                                   _scale(query, scale), window, *grads)
-    elif _per_sequence(query, kernel_path):
+    elif kernel_path == HOPPER:
         _per_sequence_backward(grad_out, query, key, value, out, logsumexp, segments,
                                _scale(query, scale), window, grads, schedule, max_spin,
                                kernel_path)

@@ -150,7 +150,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     n_q, n_kv = triton.cdiv(span_q, cfg.block_n), triton.cdiv(span_k, cfg.block_n)
     requested = resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, max(n_kv, 1), arch)
     _check_on_device(cu_seq_q, cu_seq_k, (tq, tk), (max_q, max_k))
-    if not (num_seqs and n_q and n_kv):  # no sequence has both queries and keys
+    if not (num_seqs and n_q and n_kv and tq and tk):  # no sequence has both queries and keys
         dq.zero_()
         return Plan("backward", PORTABLE, reason, schedule, requested.name, None, (), cfg)
     q4, k4, v4, do4, out4, dq4, dk4, dv4 = (_virtual(t, num_seqs)

@@ -92,7 +92,10 @@ def add_in_turn(acc_ptrs, dq, ticket_ptr, rank, held, held_amount, ERR, max_spin
 
 @triton.jit
 def release_last(held, held_amount, WAITS: tl.constexpr):
-    """After a program's last step: wait for all its threads, then release the ticket it holds."""
+    """After a program's last step: wait for all its threads, then release the ticket it holds.
+
+    A program that took no step holds nothing, and its ``held`` is the ticket array's base, which
+    is no address at all when the array is empty (a packed call without queries): no release."""
     if WAITS:
         tl.debug_barrier()
-        tl.atomic_add(held, held_amount, sem="release")
+        tl.atomic_add(held, held_amount, mask=held_amount != 0, sem="release")

@@ -95,6 +95,23 @@ def test_one_launch_per_pass_with_a_plan_each():
     assert "packed sequences" in plans[1].kernel_reason
 
 
+@pytest.mark.parametrize("lens_q, lens_k", [([0, 0], [30, 9]), ([12, 5], [0, 0])])
+@pytest.mark.parametrize("schedule", catalog.DETERMINISTIC)
+def test_no_launch_when_one_side_has_no_tokens(lens_q, lens_k, schedule):
+    """With no query (or no key) token the ticket array (or K) is empty, and its base is no
+    address on CUDA: nothing is launched; dQ is zeros and dK, dV keep their zeros."""
+    (tq, tk), hq = (sum(lens_q), sum(lens_k)), 2
+    q, do, out = (torch.randn(tq, hq, 16) for _ in range(3))
+    k, v = torch.randn(tk, hq, 16), torch.randn(tk, hq, 16)
+    lse = torch.full((hq, tq), float("-inf"))
+    dq, dk, dv = torch.randn_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    plan = packed.varlen_backward(do, q, k, v, out, lse, _offsets(lens_q), _offsets(lens_k),
+                                  max(lens_q), max(lens_k), dq, dk, dv, is_causal=True,
+                                  scale=0.25, schedule=schedule)
+    assert plan.grid == ()
+    assert not dq.any() and not dk.any() and not dv.any()
+
+
 class _Unreadable(torch.Tensor):
     """Offsets whose values the host may not read: what the CUDA path must never do."""
 

@@ -143,12 +143,6 @@ def test_packing_invariance(packing, mask, schedule):
         q0, k0 = q0 + lq, k0 + lk
 
 
-_PACKED_HELD_BACK = pytest.mark.xfail(
-    strict=True, reason="CUDA runs varlen per sequence (reads the offsets on the host) until the "
-                        "packed kernels' illegal memory access on Lq != Lk packings is fixed")
-
-
-@_PACKED_HELD_BACK
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
 def test_no_host_synchronisation(schedule):
     """Forward and backward on CUDA never wait for the GPU (the offsets stay on the device)."""
@@ -172,7 +166,6 @@ def test_no_host_synchronisation(schedule):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@_PACKED_HELD_BACK
 @pytest.mark.parametrize("cu_q, max_q, match", [
     ([1, 3, 7], 4, "cu_seq_q must start at 0"),
     ([0, 5, 3, 7], 5, "cu_seq_q must be non-decreasing"),
