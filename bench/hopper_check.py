@@ -2,8 +2,9 @@
 
     python3 bench/hopper_check.py [--quick] [--out DIR]
 
-Accuracy: FlashAttention's rule (|ours - fp32 ref| <= 2 |torch same-dtype - ref| + 1e-3) for every
-schedule on uneven and GQA shapes; determinism: bitwise equal gradients over repeats for every
+Accuracy: FlashAttention's rule (|ours - fp32 ref| <= 2 |torch same-dtype - ref| + 1e-3, the
+same-dtype reference computed in that dtype; ``dash_inductor.testing``) for every schedule on
+uneven and GQA shapes; determinism: bitwise equal gradients over repeats for every
 deterministic schedule; timing: backward TFLOP/s (2.5x the forward's 4*B*H*N^2*D, halved when
 causal) for each schedule against the portable kernels and SDPA (cuDNN, determinism off).
 """
@@ -24,6 +25,7 @@ from dash_inductor.ops import attention_forward
 from dash_inductor.ops import attention_backward as portable_backward
 from dash_inductor.ops import catalog
 from dash_inductor.ops.hopper.launch import attention_backward as hopper_backward
+from dash_inductor.testing import flash_rule_errors, sdpa_math_reference
 
 
 def _inputs(batch, hq, hkv, seq, dim, dtype=torch.bfloat16, seed=0):
@@ -53,13 +55,10 @@ def _portable(q, k, v, do, out, lse, causal, schedule):
     return dq, dk, dv
 
 
-def _sdpa_grads(q, k, v, do, causal, dtype, backend=SDPBackend.MATH):
-    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    with sdpa_kernel(backend):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-    out.backward(do.to(dtype))
-    return q.grad, k.grad, v.grad
+def _sdpa_grads(q, k, v, do, causal, dtype):
+    """(dq, dk, dv) of SDPA's math backend in ``dtype`` (bf16/fp16 computed in that dtype)."""
+    return sdpa_math_reference(q, k, v, do, dtype, is_causal=causal,
+                               enable_gqa=q.shape[1] != k.shape[1])[1:]
 
 
 def check_accuracy(shapes, log):
@@ -72,17 +71,14 @@ def check_accuracy(shapes, log):
             out, lse = _forward(q, k, v, causal)
             for schedule in catalog.NAMES:
                 grads = _hopper(q, k, v, do, out, lse, causal, schedule)
-                worst = []
-                for name, a, s, r in zip(("dq", "dk", "dv"), grads, same, ref):
-                    ours = (a.float() - r).abs().max().item()
-                    bound = 2 * (s.float() - r).abs().max().item() + 1e-3
-                    worst.append(f"{name} {ours:.2e}/{bound:.2e}")
-                    ok &= ours <= bound
-                log(f"accuracy {shape} causal={causal} {schedule:10s} " + "  ".join(worst))
+                errors = flash_rule_errors(grads, same, ref, names=("dq", "dk", "dv"))
+                ok &= all(e.ok for e in errors)
+                log(f"accuracy {shape} causal={causal} {schedule:10s} " + "  ".join(
+                    f"{e.name} {e.error:.2e}/{e.bound:.2e}" for e in errors))
             portable = _portable(q, k, v, do, out, lse, causal, "recompute")
             log(f"accuracy {shape} causal={causal} portable recompute (reference point) " + "  ".join(
-                f"{name} {(a.float() - r).abs().max().item():.2e}"
-                for name, a, r in zip(("dq", "dk", "dv"), portable, ref)))
+                f"{e.name} {e.error:.2e}"
+                for e in flash_rule_errors(portable, same, ref, names=("dq", "dk", "dv"))))
     return ok
 
 

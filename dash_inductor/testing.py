@@ -8,10 +8,15 @@
 
 A failure names the first differing tensor (an output, or the gradient of an argument or a
 parameter), its index and both values with their bit patterns.
+
+Accuracy, by FlashAttention's rule (our error at most twice PyTorch's own in the same dtype, plus
+1e-3): ``assert_flash_rule`` and ``flash_rule_errors``, with the references from
+``sdpa_math_reference`` and ``low_precision_math_sdpa``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,6 +35,8 @@ __all__ = [
     "MASK_KINDS", "MASK_SHAPES", "LAYOUTS", "AttentionInputs", "AttentionProblem",
     "attention_problems", "assert_bitwise_equal", "assert_bitwise_reproducible",
     "assert_batch_invariant", "assert_process_reproducible", "tensor_digests",
+    "FLASH_RULE_ATOL", "FLASH_RULE_NAMES", "FlashRuleCheck", "assert_flash_rule",
+    "flash_rule_errors", "low_precision_math_sdpa", "sdpa_math_reference",
 ]
 
 # --- running a computation and comparing bits -------------------------------------------------
@@ -263,3 +270,121 @@ def _child_main(meta_json: str) -> None:
     results, _ = _run(job["fn"], job["args"], job["kwargs"],
                       lambda outs: _random_like(outs, job["grad_seed"]))
     torch.save({name: t.detach().cpu() for name, t in results.items()}, meta["result"])
+
+
+# --- accuracy: FlashAttention's rule ----------------------------------------------------------
+
+#: The rule's absolute slack, and the outputs it is checked on by default.
+FLASH_RULE_ATOL = 1e-3
+FLASH_RULE_NAMES = ("out", "dq", "dk", "dv")
+
+
+@contextlib.contextmanager
+def low_precision_math_sdpa() -> Iterator[None]:
+    """Inside this block SDPA's math backend computes fp16/bf16 inputs in their own dtype.
+
+    Since PyTorch 2.5 the math backend upcasts fp16/bf16 inputs to float32 and rounds only its
+    results, which makes it a float32 reference, not a low-precision one. FlashAttention's tests
+    compare kernels against a reference computed in the inputs' dtype; this block gives that one.
+    The flag is read when the forward runs (its backward follows the recorded operations) and
+    float32/float64 inputs are unaffected. The previous setting comes back on exit.
+    """
+    backend = torch.backends.cuda
+    allow = getattr(backend, "allow_fp16_bf16_reduction_math_sdp", None)
+    allowed = getattr(backend, "fp16_bf16_reduction_math_sdp_allowed", None)
+    if allow is None or allowed is None:
+        raise RuntimeError(
+            f"low_precision_math_sdpa: torch {torch.__version__} has no "
+            f"torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp; SDPA's math backend cannot "
+            f"be made to compute in fp16/bf16, so FlashAttention's low-precision reference is "
+            f"not available")
+    previous = allowed()
+    allow(True)
+    try:
+        yield
+    finally:
+        allow(previous)
+
+
+def sdpa_math_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        grad_out: torch.Tensor, dtype: torch.dtype, **sdpa_kwargs: Any,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, dq, dk, dv)`` of SDPA's math backend on copies of the inputs cast to ``dtype``.
+
+    ``sdpa_kwargs`` go to ``scaled_dot_product_attention`` (``is_causal``, ``attn_mask``,
+    ``enable_gqa``, ``scale``; a float mask is cast to ``dtype`` too). fp16/bf16 are computed in
+    that dtype (``low_precision_math_sdpa``): the rule's ``same``; float32 gives its ``ref``.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    mask = sdpa_kwargs.get("attn_mask")
+    if mask is not None and mask.is_floating_point():
+        sdpa_kwargs = {**sdpa_kwargs, "attn_mask": mask.to(dtype)}
+    with low_precision_math_sdpa(), sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves, **sdpa_kwargs)
+        grads = torch.autograd.grad(out, leaves, grad_out.to(dtype), allow_unused=True)
+    dq, dk, dv = (g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves))
+    return out.detach(), dq, dk, dv
+
+
+class FlashRuleCheck(NamedTuple):
+    """One output's errors against the reference ``ref``: ours, and PyTorch's in ``same``."""
+
+    name: str
+    error: float  # max |ours - ref|
+    same_error: float  # max |same - ref|
+
+    @property
+    def bound(self) -> float:
+        return 2 * self.same_error + FLASH_RULE_ATOL
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.bound  # False when either error is NaN
+
+    def __str__(self) -> str:
+        return (f"{self.name}: max|ours - ref| {self.error:.3g} "
+                f"{'<=' if self.ok else '>'} 2 * max|same - ref| {self.same_error:.3g} + "
+                f"{FLASH_RULE_ATOL:g} = {self.bound:.3g}")
+
+
+def _max_error(name: str, a: torch.Tensor, ref: torch.Tensor) -> float:
+    if a.shape != ref.shape:
+        raise ValueError(f"flash_rule_errors: {name}: shapes differ: {tuple(a.shape)} vs "
+                         f"reference {tuple(ref.shape)}")
+    if a.numel() == 0:
+        return 0.0
+    return (a.detach().double() - ref.detach().to(a.device).double()).abs().max().item()
+
+
+def flash_rule_errors(ours: Sequence[torch.Tensor], same: Sequence[torch.Tensor],
+                      ref: Sequence[torch.Tensor], *, names: Sequence[str] = FLASH_RULE_NAMES,
+                      ) -> list[FlashRuleCheck]:
+    """Per output, ``max|ours - ref|`` and ``max|same - ref|`` (in float64), by name.
+
+    ``ref``: SDPA's math backend in float32; ``same``: the same in the inputs' dtype, computed in
+    that dtype (``sdpa_math_reference``). A NaN anywhere gives a NaN error, which fails the rule.
+    """
+    if not len(ours) == len(same) == len(ref) == len(names):
+        raise ValueError(f"flash_rule_errors: {len(ours)} outputs, {len(same)} same-dtype and "
+                         f"{len(ref)} reference tensors for the {len(names)} names {tuple(names)}")
+    return [FlashRuleCheck(name, _max_error(name, a, r), _max_error(name, s, r))
+            for name, a, s, r in zip(names, ours, same, ref)]
+
+
+def assert_flash_rule(ours: Sequence[torch.Tensor], same: Sequence[torch.Tensor],
+                      ref: Sequence[torch.Tensor], *, names: Sequence[str] = FLASH_RULE_NAMES,
+                      what: str = "") -> list[FlashRuleCheck]:
+    """FlashAttention's accuracy rule, per output: max|ours - ref| <= 2 max|same - ref| + 1e-3.
+
+    The failure names every output that breaks it, with the numbers, after ``what``.
+    Returns the errors (see ``flash_rule_errors``).
+    """
+    errors = flash_rule_errors(ours, same, ref, names=names)
+    failed = [e for e in errors if not e.ok]
+    if failed:
+        lines = "".join(f"\n  {e}" for e in failed)
+        raise AssertionError(f"{what + ': ' if what else ''}FlashAttention's accuracy rule "
+                             f"fails:{lines}")
+    return errors

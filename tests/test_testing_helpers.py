@@ -10,14 +10,20 @@ import re
 import pytest
 import torch
 from hypothesis import find, given, settings
+from hypothesis import strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dash_inductor import pytest_plugin
 from dash_inductor.testing import (
     AttentionProblem,
     assert_batch_invariant,
     assert_bitwise_reproducible,
+    assert_flash_rule,
     assert_process_reproducible,
     attention_problems,
+    flash_rule_errors,
+    low_precision_math_sdpa,
+    sdpa_math_reference,
     tensor_digests,
 )
 
@@ -241,3 +247,121 @@ def test_deterministic_fixture_and_profiles(deterministic_algorithms):
     profile = settings.get_profile(pytest_plugin.CI_PROFILE)
     assert profile.derandomize and profile.deadline is None and profile.max_examples <= 20
     assert settings.get_profile(pytest_plugin.GPU_PROFILE).derandomize
+
+
+# --- FlashAttention's accuracy rule -------------------------------------------------------------
+
+LOW_PRECISION = st.sampled_from([torch.bfloat16, torch.float16])
+
+
+def flash_problem(seed: int, dtype: torch.dtype, hkv: int = 2) -> tuple[torch.Tensor, ...]:
+    """q, k, v (GQA 4/``hkv`` heads) and an upstream gradient, fresh random values in ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(2, h, 48, 32, generator=gen).to(dtype) for h in (4, hkv, hkv, 4))
+
+
+def math_sdpa(q, k, v, grad_out, **kwargs) -> list[torch.Tensor]:
+    """(out, dq, dk, dv) of SDPA's math backend in the inputs' dtype, as the caller set it up."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves, **kwargs)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+
+@CI
+@given(seed=st.integers(0, 2**16), dtype=LOW_PRECISION)
+def test_flash_rule_passes_for_good_results_and_fails_for_a_perturbed_gradient(seed, dtype):
+    q, k, v, do = flash_problem(seed, dtype)
+    kwargs = dict(is_causal=True, enable_gqa=True)
+    ref = sdpa_math_reference(q, k, v, do, torch.float32, **kwargs)
+    same = sdpa_math_reference(q, k, v, do, dtype, **kwargs)
+    # PyTorch's own low-precision result, and the float32 result rounded once: both pass
+    errors = assert_flash_rule(same, same, ref)
+    assert [e.name for e in errors] == ["out", "dq", "dk", "dv"]
+    assert all(e.error == e.same_error and e.ok for e in errors)
+    assert_flash_rule([r.to(dtype) for r in ref], same, ref)
+    # one element of dq off by three times its bound: dq, and only dq, fails, with its numbers
+    bad = list(same)
+    bad[1] = bad[1].clone()
+    bad[1][1, 2, 3, 4] += 3 * errors[1].bound
+    with pytest.raises(AssertionError) as caught:
+        assert_flash_rule(bad, same, ref, what="perturbed dq")
+    message = str(caught.value)
+    assert message.startswith("perturbed dq: FlashAttention's accuracy rule fails")
+    assert "\n  dq: max|ours - ref| " in message and f"{errors[1].same_error:.3g}" in message
+    assert not any(f"\n  {name}:" in message for name in ("out", "dk", "dv"))
+    assert [e.ok for e in flash_rule_errors(bad, same, ref)] == [True, False, True, True]
+
+
+def test_flash_rule_fails_on_nan_and_rejects_mismatched_inputs():
+    q, k, v, do = flash_problem(0, torch.bfloat16)
+    ref = sdpa_math_reference(q, k, v, do, torch.float32, enable_gqa=True)
+    same = sdpa_math_reference(q, k, v, do, torch.bfloat16, enable_gqa=True)
+    nan = [same[0], same[1], same[2].clone(), same[3]]
+    nan[2][0, 0, 0, 0] = float("nan")
+    with pytest.raises(AssertionError, match=r"\n  dk: max\|ours - ref\| nan > "):
+        assert_flash_rule(nan, same, ref)
+    with pytest.raises(ValueError, match="3 outputs, 4 same-dtype and 4 reference"):
+        flash_rule_errors(same[1:], same, ref)
+    assert [e.name for e in flash_rule_errors(same[1:], same[1:], ref[1:],
+                                              names=("dq", "dk", "dv"))] == ["dq", "dk", "dv"]
+    with pytest.raises(ValueError, match="out: shapes differ"):
+        flash_rule_errors([same[0][:1], *same[1:]], same, ref)
+
+
+@CI
+@given(seed=st.integers(0, 2**16), dtype=LOW_PRECISION)
+def test_low_precision_math_sdpa_computes_in_the_inputs_dtype(seed, dtype):
+    """By default the math backend upcasts fp16/bf16: its results are the float32 ones rounded
+    once (bit for bit, on this CPU too). Inside the block they are computed in the dtype."""
+    q, k, v, do = flash_problem(seed, dtype)
+    kwargs = dict(is_causal=True, enable_gqa=True)
+    in_float32 = math_sdpa(*(t.float() for t in (q, k, v, do)), **kwargs)
+    upcast = math_sdpa(q, k, v, do, **kwargs)
+    assert all(torch.equal(a, r.to(dtype)) for a, r in zip(upcast, in_float32))
+    with low_precision_math_sdpa():
+        low = math_sdpa(q, k, v, do, **kwargs)
+    assert not any(torch.equal(a, r.to(dtype)) for a, r in zip(low, in_float32))
+    # sdpa_math_reference gives those two references
+    ours = sdpa_math_reference(q, k, v, do, dtype, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(ours, low))
+    ours = sdpa_math_reference(q, k, v, do, torch.float32, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(ours, in_float32))
+
+
+def test_sdpa_math_reference_takes_masks():
+    q, k, v, do = flash_problem(1, torch.bfloat16, hkv=4)
+    gen = torch.Generator().manual_seed(2)
+    float_mask = torch.randn(48, 48, generator=gen)  # cast to the dtype along with q, k, v
+    keep = float_mask > -1
+    for mask in (float_mask, keep):
+        out, dq, dk, dv = sdpa_math_reference(q, k, v, do, torch.bfloat16, attn_mask=mask)
+        assert out.dtype == dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+        with low_precision_math_sdpa():
+            expected = math_sdpa(q, k, v, do, attn_mask=mask.to(torch.bfloat16)
+                                 if mask.is_floating_point() else mask)
+        assert all(torch.equal(a, b) for a, b in zip((out, dq, dk, dv), expected))
+
+
+def test_low_precision_math_sdpa_restores_the_flag():
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed
+    before = allowed()
+    try:
+        for previous in (False, True):
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(previous)
+            with low_precision_math_sdpa():
+                assert allowed()
+            assert allowed() is previous
+            with pytest.raises(KeyError), low_precision_math_sdpa():
+                assert allowed()
+                raise KeyError("inside")
+            assert allowed() is previous
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(before)
+
+
+def test_low_precision_math_sdpa_says_when_torch_lacks_the_flag(monkeypatch):
+    monkeypatch.delattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp")
+    with pytest.raises(RuntimeError, match="no torch.backends.cuda.allow_fp16_bf16_reduction"):
+        with low_precision_math_sdpa():
+            pass

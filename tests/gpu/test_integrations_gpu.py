@@ -4,8 +4,8 @@
 That dash ran is read from the profiler's kernel names (dash's Triton kernels are named after
 their ``@triton.jit`` functions), and that PyTorch's attention did not run from the absence of its
 flash, memory-efficient and cuDNN kernels; a positive control shows those patterns do catch
-PyTorch's kernels. Accuracy follows FlashAttention's rule as tests/gpu/test_kernels_gpu.py states
-it; determinism is ``torch.equal``.
+PyTorch's kernels. Accuracy follows FlashAttention's rule (``dash_inductor.testing``);
+determinism is ``torch.equal``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import dash_inductor
 from dash_inductor.integrations import provider, provider_varlen, routes
+from dash_inductor.testing import assert_flash_rule, low_precision_math_sdpa
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -131,26 +132,19 @@ def _varlen_grads(q, k, v, grad_out, cu, window):
 
 
 def _per_sequence_math(q, k, v, grad_out, cu, causal, dtype):
-    """SDPA's math backend one sequence at a time, in ``dtype``."""
+    """SDPA's math backend one sequence at a time, in ``dtype`` (bf16 computed in bf16, as
+    FlashAttention's reference is)."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     bounds = cu.tolist()
     outs = []
-    for a, b in zip(bounds, bounds[1:]):
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in leaves)
-        with sdpa_kernel(SDPBackend.MATH):
+    with low_precision_math_sdpa(), sdpa_kernel(SDPBackend.MATH):
+        for a, b in zip(bounds, bounds[1:]):
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in leaves)
             outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal,
                                                        enable_gqa=True).transpose(0, 1))
-    out = torch.cat(outs)
-    out.backward(grad_out.to(dtype))
+        out = torch.cat(outs)
+        out.backward(grad_out.to(dtype))
     return [out.detach(), *(leaf.grad for leaf in leaves)]
-
-
-def _assert_flash_rule(ours, same, ref):
-    """|ours - ref| <= 2 |same - ref| + 1e-3 (max over elements), as FlashAttention tests."""
-    for name, a, s, r in zip(("out", "dq", "dk", "dv"), ours, same, ref):
-        ours_err = (a.float() - r).abs().max().item()
-        torch_err = (s.float() - r).abs().max().item()
-        assert ours_err <= 2 * torch_err + 1e-3, f"{name}: {ours_err:.3g} > 2*{torch_err:.3g}+1e-3"
 
 
 @needs_provider
@@ -175,9 +169,10 @@ def test_varlen_attn_through_the_provider(window, hkv):
     assert routes.dash_calls("provider.varlen_backward") == 2
     assert all(torch.equal(a, b) for a, b in zip(*results))
     causal = window == (-1, 0)
-    _assert_flash_rule(results[0],
-                       _per_sequence_math(q, k, v, grad_out, cu, causal, torch.bfloat16),
-                       _per_sequence_math(q, k, v, grad_out, cu, causal, torch.float32))
+    assert_flash_rule(results[0],
+                      _per_sequence_math(q, k, v, grad_out, cu, causal, torch.bfloat16),
+                      _per_sequence_math(q, k, v, grad_out, cu, causal, torch.float32),
+                      what=f"varlen_attn window={window} hkv={hkv}")
 
 
 # -- attn_implementation="dash" -------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""GPU tests of the kernels: accuracy by the FlashAttention rule, bitwise repeatability, batch
-invariance, no hang on many tiles or long sequences, and the bounded-spin error; on both kernel
-paths (portable, and the Hopper Gluon kernels where the GPU is sm90).
+"""GPU tests of the kernels: accuracy by FlashAttention's rule (``dash_inductor.testing``), bitwise
+repeatability, batch invariance, no hang on many tiles or long sequences, and the bounded-spin
+error; on both kernel paths (portable, and the Hopper Gluon kernels where the GPU is sm90).
 
 Only a GPU runs the programs concurrently, so only here are the ordered dQ waits really exercised.
 """
@@ -9,8 +9,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dash_inductor
 from dash_inductor.ops import attention_backward, attention_forward
@@ -18,6 +16,7 @@ from dash_inductor.ops import catalog
 from dash_inductor.ops.catalog import DETERMINISTIC, ORDERED
 from dash_inductor.ops.hopper.config import HEAD_DIMS
 from dash_inductor.ops.launch import check_spin_flags
+from dash_inductor.testing import assert_flash_rule, sdpa_math_reference
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -57,20 +56,8 @@ def _ours(q, k, v, do, causal, schedule, max_spin=1 << 26):
 
 
 def _sdpa_math(q, k, v, do, causal, dtype):
-    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    with sdpa_kernel(SDPBackend.MATH):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-    out.backward(do.to(dtype))
-    return out.detach(), q.grad, k.grad, v.grad
-
-
-def _assert_flash_rule(ours, same, ref):
-    """|ours - ref| <= 2 |same - ref| + 1e-3 (max over elements), as FlashAttention tests."""
-    for name, a, s, r in zip(("out", "dq", "dk", "dv"), ours, same, ref):
-        ours_err = (a.float() - r).abs().max().item()
-        torch_err = (s.float() - r).abs().max().item()
-        assert ours_err <= 2 * torch_err + 1e-3, f"{name}: {ours_err:.3g} > 2*{torch_err:.3g}+1e-3"
+    return sdpa_math_reference(q, k, v, do, dtype, is_causal=causal,
+                               enable_gqa=q.shape[1] != k.shape[1])
 
 
 ACCURACY_SHAPES = [(2, 8, 8, 1024, 64), (1, 16, 16, 2048, 128), (2, 8, 2, 1000, 128), (1, 4, 4, 777, 96)]
@@ -86,7 +73,7 @@ def test_flash_rule_every_schedule(shape, causal, dtype):
     ref = _sdpa_math(q, k, v, do, causal, torch.float32)
     same = _sdpa_math(q, k, v, do, causal, dtype)
     for schedule in catalog.NAMES:
-        _assert_flash_rule(_ours(q, k, v, do, causal, schedule), same, ref)
+        assert_flash_rule(_ours(q, k, v, do, causal, schedule), same, ref, what=schedule)
 
 
 BITWISE_SHAPES = [(2, 8, 8, 1024, 64), (1, 16, 16, 4096, 128), (2, 16, 4, 2048, 128)]
@@ -170,15 +157,11 @@ def test_window_follows_the_flash_rule(window, causal, schedule):
     keep = (cols >= rows - left) & (cols <= rows + (0 if causal else right))
 
     def dense(dtype):
-        qd, kd, vd = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-        with sdpa_kernel(SDPBackend.MATH):
-            out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=keep, enable_gqa=True)
-        out.backward(do.to(dtype))
-        return out.detach(), qd.grad, kd.grad, vd.grad
+        return sdpa_math_reference(q, k, v, do, dtype, attn_mask=keep, enable_gqa=True)
 
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     out = dash_inductor.attention(qg, kg, vg, is_causal=causal, enable_gqa=True,
                                   window_size=window, schedule=schedule, kernel=KERNEL)
     out.backward(do)
-    _assert_flash_rule((out.detach(), qg.grad, kg.grad, vg.grad), dense(q.dtype),
-                       dense(torch.float32))
+    assert_flash_rule((out.detach(), qg.grad, kg.grad, vg.grad), dense(q.dtype),
+                      dense(torch.float32), what=schedule)
