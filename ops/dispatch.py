@@ -1,10 +1,11 @@
 """Which kernel path runs a launch: the one place that chooses between kernel families.
 
 ``kernel`` is the caller's choice (``dash_inductor.config.kernel``, captured when the forward runs):
-"portable" is the ``tl`` kernels of ``ops/``; "hopper" the sm90 Gluon family of ``ops/hopper/``
-(backward only so far), refused with the reason when it cannot take the inputs; "auto" takes the
-Hopper backward where it measured faster than the portable one (``hopper.config.FASTER_ON_HOPPER``,
-docs/benchmarks.md) and the portable kernels everywhere else, and says why.
+"portable" is the ``tl`` kernels of ``ops/``; "hopper" the sm90 Gluon family of ``ops/hopper/``,
+refused with the reason when it cannot take the inputs; "auto" takes the
+Hopper kernels where they measured faster than the portable ones (``hopper.config``:
+``FORWARD_ON_HOPPER`` for the forward, which is off until its kernel has been validated on a GPU;
+``FASTER_ON_HOPPER`` for the backward schedules; docs/benchmarks.md) and the portable kernels everywhere else, and says why.
 """
 
 from __future__ import annotations
@@ -45,14 +46,17 @@ def select_kernel(kernel: str, op: str, q: torch.Tensor, k: torch.Tensor, v: tor
     if kernel == HOPPER and reason is not None:  # refused when the forward runs, not later
         raise ValueError(f"dash.attention: kernel='hopper' cannot run this attention: {reason}; "
                          f"use kernel='auto' or 'portable'")
-    if op == "forward":
-        return PORTABLE, "the Hopper family has no forward kernel yet"
-    if kernel == HOPPER:
-        return HOPPER, None
     if reason is not None:
         return PORTABLE, reason
-    from .hopper.config import FASTER_ON_HOPPER
+    from .hopper.config import FASTER_ON_HOPPER, FORWARD_ON_HOPPER
 
+    if op == "forward":
+        if FORWARD_ON_HOPPER:
+            return HOPPER, None
+        return PORTABLE, ("the Hopper forward kernel has not yet been validated on a GPU; the "
+                          "portable forward runs")
+    if kernel == HOPPER:
+        return HOPPER, None
     if schedule not in FASTER_ON_HOPPER:
         return PORTABLE, (f"schedule {schedule!r} measured faster on the portable kernels "
                           f"(the Hopper path is picked for {list(FASTER_ON_HOPPER)})")

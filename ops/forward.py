@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .configs import arch_key, forward_config, head_dim_bucket
-from .dispatch import PORTABLE, select_kernel
+from .dispatch import HOPPER, PORTABLE, select_kernel
 from .launch import dot_precision, mask_kind
 from .plan import Plan
 from .tiles import key_tile_range, load_tile, masked_scores, mm, sequence_bounds, window_keep
@@ -152,8 +152,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     (tests and tuning only). Returns what ran.
     """
     path, kernel_reason = select_kernel(kernel, "forward", q, k, v, mask, is_causal, window=window)
-    if path != PORTABLE:
-        raise ValueError(f"dash attention forward: no launcher for kernel path {path!r}")
+    if path == HOPPER:
+        from .hopper.launch import attention_forward as hopper_forward
+
+        return hopper_forward(q, k, v, out, lse, is_causal=is_causal, scale=scale,
+                              kernel_reason=kernel_reason)
     batch, hq, seq_q, e = q.shape
     ev = v.shape[3]
     if not lse.is_contiguous():

@@ -69,7 +69,7 @@ def test_auto_kernel_says_why_and_hopper_is_refused_at_forward_time() -> None:
     q, k, v = _qkv(seed=3)
     with config.patch(cpu_backend="triton"):
         dash_inductor.attention(q, k, v)
-        assert library.last_plans()[-1].kernel_reason == "the Hopper family has no forward kernel yet"
+        assert "device 'cpu'" in library.last_plans()[-1].kernel_reason
         with pytest.raises(ValueError, match="kernel='hopper'"):
             dash_inductor.attention(q, k, v, kernel="hopper")
     params = list(inspect.signature(dispatch.select_kernel).parameters)

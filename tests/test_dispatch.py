@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dash_inductor.ops import catalog, dispatch
+from dash_inductor.ops.hopper import config as hopper_config
 from dash_inductor.ops.hopper.config import FASTER_ON_HOPPER
 
 
@@ -30,10 +31,16 @@ def test_ordered_schedules_are_the_hopper_ones():
     assert set(FASTER_ON_HOPPER) == {s for s in catalog.NAMES if catalog.is_ordered(s)}
 
 
-def test_forward_stays_portable_and_says_why(hopper_takes_it):
+@pytest.mark.parametrize("validated", [False, True])
+def test_forward_takes_hopper_exactly_when_its_kernel_is_switched_on(hopper_takes_it, monkeypatch,
+                                                                     validated):
+    monkeypatch.setattr(hopper_config, "FORWARD_ON_HOPPER", validated)
     for kernel in ("auto", "hopper"):
         path, reason = dispatch.select_kernel(kernel, "forward", *_qkv(), None, True)
-        assert path == dispatch.PORTABLE and "no forward kernel" in reason
+        assert (path == dispatch.HOPPER) == validated
+        assert (reason is None) == validated
+        if reason is not None:
+            assert "not yet been validated on a GPU" in reason
 
 
 def test_named_paths(hopper_takes_it):

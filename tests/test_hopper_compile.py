@@ -1,4 +1,5 @@
-"""The Hopper (sm90) Gluon kernels compile for capability 90 without a GPU, every variant.
+"""The Hopper (sm90) Gluon kernels, forward and backward, compile for capability 90 without a GPU,
+every variant.
 
 Gluon does not run in the Triton interpreter, so this is what CI can check of them: each
 (dtype, head dim, schedule, causal) variant goes through the whole pipeline to PTX and cubin, and
@@ -53,3 +54,17 @@ def test_backward_compiles_for_sm90(variants, dtype, head_dim, schedule, causal)
     assert (row["ticket_release"] > 0) == sched.ordered
     assert row["shared"] <= 227 * 1024
     assert row["wgmma_serialized"] == 0, "ptxas serializes the wgmma (advisory C7512)"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_compiles_for_sm90(variants, dtype, head_dim, causal):
+    row = variants[(dtype, head_dim, "forward", causal)]
+    assert row["cubin_bytes"] > 0
+    assert row["wgmma"] > 0
+    assert row["tma_loads"] >= 3 and row["tma_stores"] >= 1  # Q, K, V in; O out
+    assert row["setmaxnreg_inc"] > 0 and row["setmaxnreg_dec"] > 0
+    assert row["dq_adds"] == 0 and row["ticket_release"] == 0
+    assert row["shared"] <= 227 * 1024
+    assert row["wgmma_serialized"] == 0 and row["spill_store_bytes"] == 0

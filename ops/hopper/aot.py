@@ -19,8 +19,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from .backward import backward_kernel
+from .forward import forward_kernel
 from ..catalog import NAMES
-from .config import HEAD_DIMS, HopperBackwardConfig, backward_config, backward_constexprs
+from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
+                     backward_constexprs, forward_config, forward_constexprs)
 
 SM90 = GPUTarget("cuda", 90, 32)
 _GL_DTYPES = {"bf16": gl.bfloat16, "fp16": gl.float16}
@@ -55,9 +57,25 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
     return triton.compile(source, target=SM90, options={"num_warps": cfg.num_warps})
 
 
+def compile_forward(dtype: str, head_dim: int, causal: bool, group: int = 1,
+                    cfg: HopperForwardConfig | None = None):
+    """The compiled forward kernel for one variant, for sm90."""
+    cfg = cfg or forward_config(head_dim)
+    constexprs = forward_constexprs(causal, group, cfg)
+    q_block = _descriptor(dtype, [1, cfg.block_m, head_dim])
+    kv_block = _descriptor(dtype, [1, cfg.block_n, head_dim])
+    signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "o_desc": q_block,
+                 "LSE": "*fp32", "L": "i32", "S": "i32", "HQ": "i32", "qk_scale": "fp32"}
+    signature.update({name: "constexpr" for name in constexprs})
+    source = GluonASTSource(forward_kernel, signature=signature, constexprs=constexprs,
+                            attrs={(4,): [["tt.divisibility", 16]]})
+    return triton.compile(source, target=SM90, options={"num_warps": cfg.num_warps})
+
+
 _PTX_FEATURES = {
     "wgmma": r"wgmma\.mma_async",
-    "tma_loads": r"cp\.async\.bulk\.tensor\.3d",
+    "tma_loads": r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global",
+    "tma_stores": r"cp\.async\.bulk\.tensor\.3d\.global\.shared::",
     "setmaxnreg_inc": r"setmaxnreg\.inc",
     "setmaxnreg_dec": r"setmaxnreg\.dec",
     "dq_adds": r"red\.global\.gpu\.relaxed\.add\.v4\.f32",
@@ -88,10 +106,16 @@ def summary(compiled) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Compile every backward variant of one dtype; print one JSON line per variant."""
+    """Compile every forward and backward variant of one dtype; print one JSON line per variant
+    (``schedule`` is "forward" for the forward kernel)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--dtype", choices=sorted(_GL_DTYPES), required=True)
     args = parser.parse_args(argv)
+    for head_dim in HEAD_DIMS:
+        for causal in (False, True):
+            compiled = compile_forward(args.dtype, head_dim, causal, group=2 if causal else 1)
+            key = dict(dtype=args.dtype, head_dim=head_dim, schedule="forward", causal=causal)
+            print(json.dumps({**key, **summary(compiled)}), flush=True)
     for head_dim in HEAD_DIMS:
         for schedule in NAMES:
             for causal in (False, True):

@@ -20,6 +20,12 @@ HEAD_DIMS = (64, 128)
 #: critical path; ``recompute`` and ``atomic`` have no waits and stayed faster on the portable path.
 FASTER_ON_HOPPER = ORDERED
 
+#: Whether the forward runs on the Hopper path where it takes the inputs (``kernel="auto"`` and
+#: ``"hopper"``). Off: ``ops/hopper/forward.py`` compiles for sm90 (tests/test_hopper_compile.py)
+#: but has not yet run on a GPU; ``bench/hopper_forward.py`` checks and times it there, and its
+#: result decides this switch.
+FORWARD_ON_HOPPER = False
+
 #: What ``schedule="auto"`` resolves to where the Hopper path takes the inputs: ``shift`` was the
 #: fastest deterministic schedule at every point of the H100 table (docs/benchmarks.md; d128 4k
 #: full 466 against the portable ``recompute``'s 397 TFLOP/s, causal 413 against 353; d64 full a
@@ -59,6 +65,30 @@ def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
     ``bench/hopper_tune.py``; docs/kernels-notes.md).
     """
     return HopperBackwardConfig(dk_in_flight=head_dim == 128 and not causal)
+
+
+@dataclass(frozen=True)
+class HopperForwardConfig:
+    """Tile shape of the warp-specialized forward: ``block_m`` query rows per program (64 per
+    warpgroup of the softmax partition), ``block_n`` keys per KV tile, ``stages`` K/V buffers."""
+
+    block_m: int = 128
+    block_n: int = 128
+    stages: int = 2
+    load_regs: int = 24
+    num_warps: int = 8
+
+
+def forward_config(head_dim: int) -> HopperForwardConfig:
+    """The static forward config for a head dim: head dim 64 has the shared memory for a third
+    K/V stage."""
+    return HopperForwardConfig(stages=3 if head_dim == 64 else 2)
+
+
+def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig) -> dict[str, object]:
+    """The forward kernel's compile-time arguments for one launch."""
+    return dict(GROUP=group, CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                STAGES=cfg.stages, LOAD_REGS=cfg.load_regs, num_warps=cfg.num_warps)
 
 
 def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,

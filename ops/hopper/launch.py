@@ -24,7 +24,9 @@ from ..configs import backward_config as portable_backward_config
 from ..launch import watch_spin_flag
 from ..plan import Plan
 from .backward import backward_kernel
-from .config import HEAD_DIMS, HopperBackwardConfig, backward_config, backward_constexprs
+from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
+                     backward_constexprs, forward_config, forward_constexprs)
+from .forward import forward_kernel
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -88,6 +90,31 @@ def _row_descriptor(row: torch.Tensor, block: int) -> TensorDescriptor:
     """A rank-1 TMA descriptor over one row of :func:`_row_stats`, for ``block``-element boxes."""
     layout = gl.NVMMASharedLayout.get_default_for([block], gl.float32)
     return TensorDescriptor(row, list(row.shape), [1], [block], layout)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, *, is_causal: bool, scale: float,
+                      kernel_reason: str | None = None,
+                      cfg: HopperForwardConfig | None = None) -> Plan:
+    """Write ``out`` and the contiguous fp32 (B, Hq, L) ``lse`` with the Hopper forward; return
+    what ran. The caller checked :func:`unsupported_reason`; ``out`` is laid out as ``q``."""
+    batch, hq, seq_q, head_d = q.shape
+    hkv, seq_k = k.shape[1], k.shape[2]
+    cfg = cfg or forward_config(head_d)
+    grid = (triton.cdiv(seq_q, cfg.block_m), batch * hq)
+    if not _mergeable(out):
+        raise ValueError("the Hopper forward writes `out` by TMA: it must be laid out as q")
+    if not lse.is_contiguous():
+        raise ValueError("lse must be a contiguous fp32 tensor of shape (B, Hq, L)")
+    if seq_q == 0 or seq_k == 0:  # no program would have a key to wait for
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return Plan("forward", "hopper", kernel_reason, None, None, None, (), cfg)
+    forward_kernel[grid](
+        _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+        _descriptor(out, cfg.block_m), lse, seq_q, seq_k, hq, scale * LOG2E,
+        **forward_constexprs(is_causal, hq // hkv, cfg))
+    return Plan("forward", "hopper", kernel_reason, None, None, None, grid, cfg)
 
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
