@@ -82,12 +82,30 @@ def _packed():
     return packed
 
 
+#: Whether CUDA runs the packed one-launch kernels (``ops/packed.py``: the offsets stay on the
+#: device, no host synchronisation). Off: CUDA launches the dense kernels once per sequence, reading
+#: the offsets on the host. The packed kernels' first H100 run hit an illegal memory access: a
+#: program with no work released a ticket at the base of the ticket array, which is no address when
+#: a call has no query token. That is fixed (``ops/tickets.release_last``, and no launch when either
+#: side has no token) but has not yet run on a GPU; tests/gpu/test_varlen_gpu.py runs both paths,
+#: and its result decides this switch.
+PACKED_ON_CUDA = False
+
+
+def _per_sequence(query: Tensor, kernel_path: str) -> bool:
+    """Whether the Triton path launches per sequence: on the Hopper path (its kernels take no
+    offsets), and on CUDA while the packed kernels are held back (``PACKED_ON_CUDA``). The CPU
+    interpreter runs the packed kernels."""
+    return kernel_path == HOPPER or (query.device.type == "cuda" and not PACKED_ON_CUDA)
+
+
 def _segments(query: Tensor, key: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int,
               max_k: int, cpu_backend: str, kernel_path: str) -> list[packing.Segment] | None:
     """The sequences, read on the host, for the paths that need them (the reference and the
     per-sequence Hopper launches), and for CPU offsets, where reading them is free and makes a
     breach of their contract an error now; None on the CUDA hot path, which checks on the device."""
-    if query.device.type == "cpu" or not _uses_triton(query, cpu_backend) or kernel_path == HOPPER:
+    if (query.device.type == "cpu" or not _uses_triton(query, cpu_backend)
+            or _per_sequence(query, kernel_path)):
         return packing.sequences(query, key, cu_seq_q, cu_seq_k, max_q, max_k)
     return None
 
@@ -124,7 +142,7 @@ def _varlen_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, w
     if not _uses_triton(query, cpu_backend):
         reference_varlen.forward(query, key, value, segments, _scale(query, scale), window, out,
                                  lse)
-    elif kernel_path == HOPPER:
+    elif _per_sequence(query, kernel_path):
         _per_sequence_forward(query, key, value, segments, _scale(query, scale), window, out, lse,
                               kernel_path)
     else:
@@ -190,7 +208,7 @@ def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_
     if not _uses_triton(query, cpu_backend):
         reference_varlen.backward(grad_out, query, key, value, out, logsumexp, segments,
                                   _scale(query, scale), window, *grads)
-    elif kernel_path == HOPPER:
+    elif _per_sequence(query, kernel_path):
         _per_sequence_backward(grad_out, query, key, value, out, logsumexp, segments,
                                _scale(query, scale), window, grads, schedule, max_spin,
                                kernel_path)

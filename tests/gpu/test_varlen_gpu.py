@@ -1,7 +1,9 @@
-"""GPU tests of dash.varlen_attention's packed kernels (one launch per pass, offsets read on the
-device): FlashAttention's accuracy rule against a float32 reference, 100 bitwise repeats per
-deterministic schedule, packing invariance, no host synchronisation, and the device check of the
-offsets raising asynchronously. bf16, documents of 512 to 8192 tokens packed to 16k.
+"""GPU tests of dash.varlen_attention on both CUDA paths: the packed kernels (one launch per pass,
+offsets read on the device) and the per-sequence launches (``varlen.PACKED_ON_CUDA`` picks one for
+users; every test here runs each): FlashAttention's accuracy rule against a float32 reference,
+100 bitwise repeats per deterministic schedule, packing invariance; and, for the packed kernels, no
+host synchronisation and the device check of the offsets raising asynchronously. bf16, documents
+of 512 to 8192 tokens packed to 16k.
 
 Only a GPU runs the programs concurrently, so only here are the ordered dQ waits of packed
 sequences really exercised.
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dash_inductor import config
+from dash_inductor import config, varlen
 from dash_inductor.ops.catalog import DETERMINISTIC
 from dash_inductor.ops.launch import check_spin_flags
 from dash_inductor.testing import assert_flash_rule, low_precision_math_sdpa
@@ -24,6 +26,20 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 HQ, HKV, DIM = 8, 2, 128
+
+
+@pytest.fixture(params=["packed", "per_sequence"], autouse=True)
+def cuda_path(request, monkeypatch):
+    """Every test runs on both CUDA paths of varlen_attention."""
+    monkeypatch.setattr(varlen, "PACKED_ON_CUDA", request.param == "packed")
+    return request.param
+
+
+def _packed_only(cuda_path):
+    if cuda_path != "packed":
+        pytest.skip("a property of the packed kernels (the per-sequence path reads the offsets "
+                    "on the host)")
+
 # (query lengths, key lengths): self-attention documents packed to 16k, and cross packings with
 # more keys than queries and the reverse (bottom-right alignment), with empty sequences.
 PACKINGS = {
@@ -142,8 +158,9 @@ def test_packing_invariance(packing, mask, schedule):
 
 
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
-def test_no_host_synchronisation(schedule):
+def test_no_host_synchronisation(schedule, cuda_path):
     """Forward and backward on CUDA never wait for the GPU (the offsets stay on the device)."""
+    _packed_only(cuda_path)
     lens = PACKINGS["documents_16k"][0]
     q, k, v, do = _inputs(lens, lens, seed=3)
     cu = _offsets(lens)
@@ -170,7 +187,8 @@ def test_no_host_synchronisation(schedule):
     ([0, 3, 6], 4, r"cu_seq_q\[-1\] must equal .* Tq=7"),
     ([0, 3, 7], 3, "max_q=3 is smaller than the longest sequence in cu_seq_q"),
 ])
-def test_broken_offsets_raise_asynchronously(cu_q, max_q, match):
+def test_broken_offsets_raise_asynchronously(cu_q, max_q, match, cuda_path):
+    _packed_only(cuda_path)
     q, k, v = (torch.randn(7, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu_k = torch.tensor([0, 3, 7] + [7] * (len(cu_q) - 3), dtype=torch.int32, device="cuda")
     varlen_attention(q, k, v, torch.tensor(cu_q, dtype=torch.int32, device="cuda"), cu_k,
