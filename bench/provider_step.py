@@ -2,6 +2,7 @@
 
     python bench/provider_step.py [--out DIR] [--steps 20] [--warmup 5] [--seq 4096] ...
     python bench/provider_step.py --smoke --out DIR   # tiny shapes, one step; runs on the CPU too
+    python bench/provider_step.py --profile ...       # also each variant's costliest kernels
 
 One step is forward, backward (loss from ``labels``) and AdamW, timed with CUDA events (the median
 of ``--steps`` after ``--warmup``), in four variants:
@@ -37,7 +38,7 @@ import torch  # noqa: E402
 import dash_inductor  # noqa: E402
 import outdir  # noqa: E402
 from methods import determinism  # noqa: E402
-from dash_inductor import integrations  # noqa: E402
+from dash_inductor import integrations, library  # noqa: E402
 
 #: name -> (attn_implementation, deterministic algorithms, "DASH" provider active)
 VARIANTS = {
@@ -67,6 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=5, help="steps before timing")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step per variant: its costliest kernels")
     args = parser.parse_args(argv)
     if args.smoke:
         args.layers, args.hidden, args.heads, args.kv_heads = 2, 64, 4, 2
@@ -158,17 +161,40 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats()
         integrations.reset_counts()
         times = [time_ms(step) for _ in range(args.steps)]
+        plans = sorted({_plan(p) for p in library.last_plans()})
+        top = _top_kernels(step, args.device) if args.profile else []
     dash_calls = {integration: n / args.steps
                   for (integration, reason), n in integrations.routes.counts.items()
                   if reason is None}
+    plans = plans if dash_calls else []  # the plans kept are those of an earlier variant
     fallbacks = {f"{integration}: {reason}": n
                  for (integration, reason), n in integrations.routes.counts.items()
                  if reason is not None}
     row.update(status="ok", step_ms=statistics.median(times), step_ms_all=times,
-               dash_calls_per_step=dash_calls, fallbacks=fallbacks)
+               dash_calls_per_step=dash_calls, fallbacks=fallbacks, dash_plans=plans,
+               top_kernels=top)
     if args.device == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
     return row
+
+
+def _plan(plan) -> str:
+    """One launch plan as "op: kernel path, schedule (why not the fastest path)"."""
+    text = f"{plan.op}: {plan.kernel}" + (f", {plan.schedule}" if plan.schedule else "")
+    return text + (f" ({plan.kernel_reason})" if plan.kernel_reason else "")
+
+
+def _top_kernels(step: Callable[[], None], device: str, count: int = 12) -> list[dict[str, Any]]:
+    """The ``count`` kernels with the most device time in one profiled step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        step()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0 or device != "cuda"]
+    key = (lambda e: e.device_time_total) if device == "cuda" else (lambda e: e.self_cpu_time_total)
+    return [{"name": e.key[:120], "calls": e.count, "ms": key(e) / 1e3}
+            for e in sorted(events, key=key, reverse=True)[:count]]
 
 
 def _calls(per_step: dict[str, float]) -> str:
@@ -203,6 +229,15 @@ def render_markdown(env: dict[str, Any], args: argparse.Namespace,
         if r["fallbacks"]:
             calls += f" (fallbacks: {r['fallbacks']})"
         lines.append(f"| {r['variant']} | {r['step_ms']:.1f} | {ratio} | {calls} | {memory} |")
+    plans = [f"- {r['variant']}: " + "; ".join(r["dash_plans"]) for r in rows
+             if r.get("dash_plans")]
+    if plans:
+        lines += ["", "What dash's launches ran (the latest plans of each variant):", "", *plans]
+    for r in rows:
+        if r.get("top_kernels"):
+            lines += ["", f"Costliest kernels of one step, {r['variant']}:", "",
+                      "| kernel | calls | ms |", "|---|---|---|"]
+            lines += [f"| `{k['name']}` | {k['calls']} | {k['ms']:.2f} |" for k in r["top_kernels"]]
     return "\n".join(lines) + "\n"
 
 
