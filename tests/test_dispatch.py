@@ -66,3 +66,22 @@ def test_hopper_refused_with_the_reason_on_cpu():
         dispatch.select_kernel("hopper", "forward", *_qkv(), None, False)
     path, reason = dispatch.select_kernel("auto", "backward", *_qkv(), None, False, "shift")
     assert path == dispatch.PORTABLE and "device 'cpu'" in reason
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_hopper_reads_any_layout_through_a_copy_with_the_same_values(batch):
+    """A model's (B, L, H, D) views cannot be read as (B*H, L, D) once B > 1: the Hopper launcher
+    copies them (the path, and so the bits, never depend on the layout or the batch size);
+    tensors it can read are passed through untouched."""
+    from dash_inductor.ops.hopper.launch import tma_readable
+
+    contiguous = torch.randn(batch, 4, 32, 64, dtype=torch.bfloat16)
+    transposed = torch.randn(batch, 32, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    assert tma_readable(contiguous) is contiguous
+    readable = tma_readable(transposed)
+    assert (readable is transposed) == (batch == 1)
+    assert torch.equal(readable, transposed) and readable.stride()[-1] == 1
+    misaligned = torch.randn(batch * 4 * 32 * 64 + 1, dtype=torch.bfloat16)[1:].view(
+        batch, 4, 32, 64)
+    assert tma_readable(misaligned) is not misaligned
+    assert torch.equal(tma_readable(misaligned), misaligned)

@@ -1,11 +1,11 @@
 """Host side of the Hopper backward: what it accepts, its buffers, descriptors and grid.
 
-The kernel reads Q, K, V and dO through rank-3 TMA descriptors over (batch * heads, rows, head dim),
-which needs each tensor's batch stride to be heads x its head stride (true for contiguous
-(B, H, L, D) tensors and for the (B, L, H, D) layout that transposed projections give), 16-byte
-aligned strides and base, and a contiguous last dim. Q, K and V that cannot be read so go to the
-portable kernels; a dO that cannot (such as the stride-0 gradient of ``out.sum()``) is copied into
-a contiguous tensor, which changes no value.
+The kernels read Q, K, V and dO (and the forward writes O) through rank-3 TMA descriptors over
+(batch * heads, rows, head dim), which needs each tensor's batch stride to be heads x its head
+stride, 16-byte aligned strides and base, and a contiguous last dim: true of contiguous
+(B, H, L, D) tensors, but not of the (B, L, H, D) layout that models' transposed projections give
+once B > 1. A tensor that cannot be read so is copied into a contiguous one, which changes no
+value: the path, and so the bits, never depend on the memory layout or on the batch size.
 """
 
 from __future__ import annotations
@@ -51,9 +51,14 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return "an attn_mask (the Hopper kernels take is_causal or no mask)"
     if q.shape[-1] != v.shape[-1] or q.shape[-1] not in HEAD_DIMS:
         return f"head dims {q.shape[-1]}/{v.shape[-1]} (the Hopper kernels take E = Ev in {HEAD_DIMS})"
-    if not all(_mergeable(t) for t in (q, k, v)):
-        return "a stride layout that a (batch*heads, rows, dim) TMA view cannot read"
     return None
+
+
+def tma_readable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when a (batch*heads, rows, dim) TMA view can read it, else a contiguous copy
+    (the same values) in a fresh, aligned allocation: ``contiguous()`` would return a contiguous
+    but misaligned view unchanged."""
+    return t if _mergeable(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,13 +102,18 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
                       kernel_reason: str | None = None,
                       cfg: HopperForwardConfig | None = None) -> Plan:
     """Write ``out`` and the contiguous fp32 (B, Hq, L) ``lse`` with the Hopper forward; return
-    what ran. The caller checked :func:`unsupported_reason`; ``out`` is laid out as ``q``."""
+    what ran. The caller checked :func:`unsupported_reason`."""
     batch, hq, seq_q, head_d = q.shape
     hkv, seq_k = k.shape[1], k.shape[2]
     cfg = cfg or forward_config(head_d)
     grid = (triton.cdiv(seq_q, cfg.block_m), batch * hq)
-    if not _mergeable(out):
-        raise ValueError("the Hopper forward writes `out` by TMA: it must be laid out as q")
+    if not _mergeable(out):  # written by TMA: through a contiguous buffer
+        staged = torch.empty(out.shape, device=out.device, dtype=out.dtype)
+        plan = attention_forward(q, k, v, staged, lse, is_causal=is_causal, scale=scale,
+                                 kernel_reason=kernel_reason, cfg=cfg)
+        out.copy_(staged)
+        return plan
+    q, k, v = (tma_readable(t) for t in (q, k, v))
     if not lse.is_contiguous():
         raise ValueError("lse must be a contiguous fp32 tensor of shape (B, Hq, L)")
     if seq_q == 0 or seq_k == 0:  # no program would have a key to wait for
@@ -136,8 +146,8 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
     requested = schedule
     schedule, fallback = fit_schedule(schedule, is_causal, n_kv, capacity, shape)
-    if not _mergeable(grad_out):  # e.g. the stride-0 gradient of out.sum(): same values, new layout
-        grad_out = grad_out.contiguous()
+    # A model's (B, L, H, D) views, or the stride-0 gradient of out.sum(): same values, new layout.
+    q, k, v, grad_out = (tma_readable(t) for t in (q, k, v, grad_out))
     delta = compute_delta(out, grad_out)
     stats = _row_stats(lse, delta, n_q * cfg.block_n)
     per_head = schedule.items_per_head(n_kv, is_causal)
