@@ -28,7 +28,7 @@ from dash_inductor.ops.hopper.launch import attention_backward as hopper_backwar
 from dash_inductor.testing import flash_rule_errors, sdpa_math_reference
 
 
-def _inputs(batch, hq, hkv, seq, dim, dtype=torch.bfloat16, seed=0):
+def inputs(batch, hq, hkv, seq, dim, dtype=torch.bfloat16, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     make = lambda h: torch.randn(batch, h, seq, dim, device="cuda", dtype=dtype, generator=gen)
     return make(hq), make(hkv), make(hkv), make(hq)
@@ -65,7 +65,7 @@ def check_accuracy(shapes, log):
     ok = True
     for shape in shapes:
         for causal in (False, True):
-            q, k, v, do = _inputs(*shape)
+            q, k, v, do = inputs(*shape)
             ref = _sdpa_grads(q, k, v, do, causal, torch.float32)
             same = _sdpa_grads(q, k, v, do, causal, q.dtype)
             out, lse = _forward(q, k, v, causal)
@@ -82,30 +82,32 @@ def check_accuracy(shapes, log):
     return ok
 
 
+def repeats_bitwise(fn, repeats):
+    """Whether ``repeats`` more calls of ``fn`` give the bits of its first call."""
+    first = fn()
+    return all(all(torch.equal(a, b) for a, b in zip(first, fn())) for _ in range(repeats))
+
+
 def check_bitwise(shapes, repeats, log):
     ok = True
     for shape in shapes:
         for causal in (False, True):
-            q, k, v, do = _inputs(*shape, seed=1)
+            q, k, v, do = inputs(*shape, seed=1)
             out, lse = _forward(q, k, v, causal)
             for schedule in catalog.DETERMINISTIC:
-                first = _hopper(q, k, v, do, out, lse, causal, schedule)
-                same = all(all(torch.equal(a, b) for a, b in
-                               zip(first, _hopper(q, k, v, do, out, lse, causal, schedule)))
-                           for _ in range(repeats))
+                same = repeats_bitwise(
+                    lambda: _hopper(q, k, v, do, out, lse, causal, schedule), repeats)
                 ok &= same
                 log(f"bitwise {shape} causal={causal} {schedule:10s} {repeats} repeats: {same}")
     return ok
 
 
-def _tflops(shape, causal, ms):
+def bench_tflops(fn, shape, causal, passes=2.5):
+    """TFLOP/s of ``fn`` (median time) as FlashAttention counts: ``passes`` x the forward's
+    4*B*H*N^2*D (2.5 for the backward), halved when causal."""
     batch, hq, _, seq, dim = shape
-    flops = 2.5 * 4 * batch * hq * seq * seq * dim / (2 if causal else 1)
-    return flops / (ms * 1e-3) / 1e12
-
-
-def _bench(fn, shape, causal):
-    return _tflops(shape, causal, triton.testing.do_bench(fn, return_mode="median"))
+    flops = passes * 4 * batch * hq * seq * seq * dim / (2 if causal else 1)
+    return flops / (triton.testing.do_bench(fn, return_mode="median") * 1e-3) / 1e12
 
 
 def time_backward(shapes, log):
@@ -113,14 +115,14 @@ def time_backward(shapes, log):
     rows = []
     for shape in shapes:
         for causal in (False, True):
-            q, k, v, do = _inputs(*shape)
+            q, k, v, do = inputs(*shape)
             out, lse = _forward(q, k, v, causal)
             row = {"shape": shape, "causal": causal}
             for schedule in catalog.NAMES:
-                row[f"hopper {schedule}"] = _bench(
+                row[f"hopper {schedule}"] = bench_tflops(
                     lambda: _hopper(q, k, v, do, out, lse, causal, schedule), shape, causal)
             for schedule in ("recompute", "shift", "descending", "atomic"):
-                row[f"portable {schedule}"] = _bench(
+                row[f"portable {schedule}"] = bench_tflops(
                     lambda: _portable(q, k, v, do, out, lse, causal, schedule), shape, causal)
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
             for name, backend, deterministic in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION, False),
@@ -130,7 +132,7 @@ def time_backward(shapes, log):
                 with sdpa_kernel(backend):
                     o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
                                                        enable_gqa=q.shape[1] != k.shape[1])
-                row[name] = _bench(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True),
+                row[name] = bench_tflops(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True),
                                    shape, causal)
                 torch.use_deterministic_algorithms(False)
             rows.append(row)

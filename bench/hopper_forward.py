@@ -17,6 +17,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +30,9 @@ from dash_inductor.ops.hopper.launch import attention_backward as hopper_backwar
 from dash_inductor.ops.hopper.launch import attention_forward as hopper_forward
 from dash_inductor.testing import flash_rule_errors, sdpa_math_reference
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def _inputs(batch, hq, hkv, seq, dim, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    make = lambda h: torch.randn(batch, h, seq, dim, device="cuda", dtype=dtype, generator=gen)
-    return make(hq), make(hkv), make(hkv), make(hq)
+from hopper_check import bench_tflops, inputs, repeats_bitwise  # noqa: E402
 
 
 def _run(path, q, k, v, causal, cfg=None):
@@ -61,7 +60,7 @@ def check(shapes, repeats, log):
     ok = True
     for shape in shapes:
         for causal in (False, True):
-            q, k, v, do = _inputs(*shape)
+            q, k, v, do = inputs(*shape)
             kwargs = dict(is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
             ref = sdpa_math_reference(q, k, v, do, torch.float32, **kwargs)
             same = sdpa_math_reference(q, k, v, do, q.dtype, **kwargs)
@@ -81,18 +80,10 @@ def check(shapes, repeats, log):
             ok &= all(e.ok for e in errors)
             log(f"step {shape} causal={causal} hopper forward + shift: "
                 + "  ".join(str(e) for e in errors))
-            first = _run("hopper", q, k, v, causal)
-            same_bits = all(all(torch.equal(a, b) for a, b in zip(first, _run("hopper", q, k, v,
-                                                                               causal)))
-                            for _ in range(repeats))
+            same_bits = repeats_bitwise(lambda: _run("hopper", q, k, v, causal), repeats)
             ok &= same_bits
             log(f"bitwise {shape} causal={causal} {repeats} repeats: {same_bits}")
     return ok
-
-
-def _tflops(shape, causal, ms):
-    batch, hq, _, seq, dim = shape
-    return 4 * batch * hq * seq * seq * dim / (2 if causal else 1) / (ms * 1e-3) / 1e12
 
 
 #: Tile configs timed beside the table's (block_n, stages); the first key of a row is the table's.
@@ -103,11 +94,10 @@ def time_forward(shapes, log):
     rows = []
     for shape in shapes:
         for causal in (False, True):
-            q, k, v, _ = _inputs(*shape)
+            q, k, v, _ = inputs(*shape)
             row = {"shape": shape, "causal": causal}
             base = forward_config(shape[-1])
-            bench = lambda fn: _tflops(shape, causal,
-                                       triton.testing.do_bench(fn, return_mode="median"))
+            bench = lambda fn: bench_tflops(fn, shape, causal, passes=1.0)
             for block_n, stages in ((base.block_n, base.stages), *_TUNING):
                 cfg = dataclasses.replace(base, block_n=block_n, stages=stages)
                 shared = 2 * shape[-1] * (cfg.block_m + 2 * stages * block_n)

@@ -22,7 +22,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hopper_check import _forward, _hopper, _inputs, _tflops  # noqa: E402
+from hopper_check import _forward, _hopper, bench_tflops, inputs  # noqa: E402
 from dash_inductor.ops.hopper.config import HopperBackwardConfig, backward_config  # noqa: E402
 
 SHAPES = [(4, 16, 16, 4096, 128), (1, 16, 16, 16384, 128), (4, 32, 32, 4096, 64)]
@@ -50,15 +50,14 @@ def main() -> int:
         for causal in (False, True):
             configs = {"default": backward_config(shape[-1], causal)}
             configs.update({text: parse_config(text, shape[-1], causal) for text in args.config})
-            q, k, v, do = _inputs(*shape)
+            q, k, v, do = inputs(*shape)
             out, lse = _forward(q, k, v, causal)
             for schedule in schedules:
                 row = {"shape": shape, "causal": causal, "schedule": schedule}
                 for name, cfg in configs.items():
-                    ms = triton.testing.do_bench(
-                        lambda: _hopper(q, k, v, do, out, lse, causal, schedule, cfg),
-                        return_mode="median")
-                    row[name] = _tflops(shape, causal, ms)
+                    row[name] = bench_tflops(
+                        lambda: _hopper(q, k, v, do, out, lse, causal, schedule, cfg), shape,
+                        causal)
                 rows.append(row)
                 log(f"{shape} causal={causal} {schedule:10s} " + "  ".join(
                     f"{name}={row[name]:.0f}" for name in configs))
