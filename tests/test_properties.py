@@ -28,8 +28,10 @@ from dash_inductor.testing import (
     assert_bitwise_reproducible,
     assert_process_reproducible,
     attention_problems,
+    flash_rule_errors,
+    sdpa_math_reference,
 )
-from tests._reference import reference_scores, sdpa_math
+from tests._reference import reference_scores
 
 CI = settings.get_profile(pytest_plugin.CI_PROFILE)
 # Interpreted kernels and compiles are slow: report a failing draw as found, without shrinking it
@@ -46,8 +48,14 @@ TINY_PROBLEMS = attention_problems(**TINY)
 TINY_KINDS = {"causal": attention_problems(**TINY, causal=(True,)),
               "full-or-masked": attention_problems(**TINY, causal=(False,))}
 SCHEDULES = st.sampled_from(config.DETERMINISTIC_SCHEDULES)
-# Error of dash.attention may be at most twice SDPA's own error in that dtype, plus this slack
-# (relative to the largest reference value).
+# Accuracy: FlashAttention's rule (dash_inductor.testing: our error at most twice that of SDPA's
+# math computed in the inputs' dtype), changed on purpose in two ways. Both errors are measured
+# against float64 math, not float32, so float32 draws are judged too (against float32 the rule
+# degenerates to a flat 1e-3). The slack is this fraction of the reference's largest value, not an
+# absolute 1e-3: a draw has few elements, so its max error is that of a handful of roundings
+# (FlashAttention's tests take it over thousands), and Triton 3.9's interpreter casts fp32 to bf16
+# by truncation, so the interpreted kernels' bf16 values may be a whole ulp off where a GPU's are at
+# most half.
 SLACK = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -81,16 +89,15 @@ def _reference_logsumexp(problem: AttentionProblem, inputs: AttentionInputs) -> 
 
 def _check_against_float64(problem: AttentionProblem, inputs: AttentionInputs) -> None:
     ours = _forward_backward(dash_inductor.attention, inputs, problem)
-    theirs = _forward_backward(_sdpa, inputs, problem)
-    exact = inputs.cast(torch.float64)
-    out, (q, k, v, _) = sdpa_math(*exact.args[:3], attn_mask=exact.attn_mask,
-                                  **problem.sdpa_kwargs())
-    truth = [out.detach(), *torch.autograd.grad(out, (q, k, v), _grad_out(problem).double())]
-    for name, mine, sdpa, ref in zip(("out", "dq", "dk", "dv"), ours, theirs, truth):
-        our_error = (mine.double() - ref).abs().max().item()
-        sdpa_error = (sdpa.double() - ref).abs().max().item()
-        bound = 2 * sdpa_error + SLACK[problem.dtype] * max(1.0, ref.abs().max().item())
-        assert our_error <= bound, f"{name}: error {our_error:.3g} > {bound:.3g} on {problem}"
+    q, k, v, mask = inputs.args
+    kwargs = dict(problem.sdpa_kwargs(), attn_mask=mask)
+    truth = sdpa_math_reference(q, k, v, _grad_out(problem), torch.float64, **kwargs)
+    same = sdpa_math_reference(q, k, v, _grad_out(problem), problem.dtype, **kwargs)
+    for check, ref in zip(flash_rule_errors(ours, same, truth), truth):
+        bound = 2 * check.same_error + SLACK[problem.dtype] * max(1.0, ref.abs().max().item())
+        assert check.error <= bound, (f"{check.name}: error {check.error:.3g} > {bound:.3g} "
+                                      f"(SDPA's in {problem.dtype}: {check.same_error:.3g}) on "
+                                      f"{problem}")
     lse = torch.ops.dash.attention(*inputs.args, **problem.sdpa_kwargs())[1].double()
     expected = _reference_logsumexp(problem, inputs)
     assert torch.equal(lse.isinf(), expected.isinf()), f"-inf rows differ on {problem}"
