@@ -1,8 +1,9 @@
-"""The small GPT-style model that the demo, ``bench/step.py`` and the tests train.
+"""The small GPT-style model that the demo, ``bench/step.py``, ``examples/distributed_train.py``
+and the tests train.
 
-Causal ``F.scaled_dot_product_attention`` from a fused q/k/v projection, with grouped-query
-attention in every other layer, on sequences that follow a hidden successor map: learnable in a few
-steps, so the loss visibly falls.
+Causal ``F.scaled_dot_product_attention`` from a fused q/k/v projection (or three separate ones,
+which tensor parallelism can shard on heads), with grouped-query attention in every other layer, on
+sequences that follow a hidden successor map: learnable in a few steps, so the loss visibly falls.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class DemoConfig:
     steps: int = 8
     vocab: int = 64
     kv_group: int = 2  #: query heads per KV head in the odd (GQA) layers; 1 turns GQA off
+    #: q, k and v from three projections (``attn.q_proj``, ``k_proj``, ``v_proj``), each of which
+    #: tensor parallelism can shard on heads, instead of one fused ``attn.qkv``
+    separate_qkv: bool = False
     seed: int = 0
     lr: float = 1e-2
     device: str = "cpu"
@@ -57,31 +61,45 @@ CUDA_DEFAULTS = {"layers": 4, "d_model": 512, "heads": 8, "seq": 2048, "batch": 
 class Attention(nn.Module):
     """Causal self-attention through ``F.scaled_dot_product_attention``, with optional GQA."""
 
-    def __init__(self, d_model: int, heads: int, kv_heads: int) -> None:
+    def __init__(self, d_model: int, heads: int, kv_heads: int,
+                 separate_qkv: bool = False) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d_model // heads
-        self.qkv = nn.Linear(d_model, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        # A bool fixed here: with each block compiled on its own (examples/distributed_train.py),
+        # Dynamo makes an int attribute that differs between blocks (kv_heads) dynamic, and an
+        # SDPA call with a symbolic enable_gqa was not rewritten to dash.attention.
+        self.gqa = kv_heads != heads
+        self.widths = [heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim]
+        self.separate_qkv = separate_qkv
+        if separate_qkv:
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d_model, width, bias=False)
+                                                     for width in self.widths)
+        else:
+            self.qkv = nn.Linear(d_model, sum(self.widths), bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         b, n, _ = x.shape
-        q, k, v = self.qkv(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                     self.kv_heads * self.head_dim], dim=-1)
-        q = q.view(b, n, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=self.kv_heads != self.heads)
+        if self.separate_qkv:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv(x).split(self.widths, dim=-1)
+        # Heads as -1: under tensor parallelism with local outputs a rank holds a share of them.
+        q = q.view(b, n, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, n, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, n, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         return self.proj(y.transpose(1, 2).reshape(b, n, -1))
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: attention and a GELU MLP, each with a residual connection."""
 
-    def __init__(self, d_model: int, heads: int, kv_heads: int) -> None:
+    def __init__(self, d_model: int, heads: int, kv_heads: int,
+                 separate_qkv: bool = False) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, heads, kv_heads)
+        self.attn = Attention(d_model, heads, kv_heads, separate_qkv)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
                                  nn.Linear(4 * d_model, d_model))
 
@@ -97,8 +115,8 @@ class TinyGPT(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(cfg.vocab, cfg.d_model)
         self.positions = nn.Embedding(cfg.seq, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads, cfg.kv_heads(i))
-                                    for i in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads, cfg.kv_heads(i),
+                                          cfg.separate_qkv) for i in range(cfg.layers))
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 

@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 examples/distributed_train.py --sdpa         # PyTorch's SDPA
     torchrun --nproc-per-node 2 examples/distributed_train.py --device cpu --modes ddp --steps 2
 
-A small GPT (causal SDPA, grouped-query attention) is compiled and trained under
+The package's small GPT (``dash_inductor.tiny_gpt``: causal SDPA, grouped-query attention in every
+other layer, q, k and v projected separately) is compiled and trained under
 ``torch.use_deterministic_algorithms(True)``, so dash_inductor's pass runs ``dash.attention``
 in place of SDPA (``--sdpa`` turns the rewrite off: PyTorch's deterministic SDPA, for the step
 times). Each mode trains twice from the same seed; every rank checks that losses and its own
@@ -43,102 +44,48 @@ from collections import Counter  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 
 import dash_inductor  # noqa: E402
+from dash_inductor.tiny_gpt import DemoConfig, TinyGPT, chain_batch, make_model  # noqa: E402
 
 MODES = ("ddp", "fsdp", "tp")
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    layers: int = 2
-    d_model: int = 64
-    heads: int = 4
-    kv_heads: int = 2
-    seq: int = 64
-    batch: int = 2  #: per data-parallel rank
-    vocab: int = 64
-    steps: int = 4
-    lr: float = 1e-2
-    seed: int = 0
-    dtype: str = "float32"
+#: The model's sizes and the training run, on CPU (small, float32) and on CUDA (where the step times
+#: should show attention: head dim 64). ``seq`` is the attention length: each row of a batch holds
+#: seq + 1 tokens, the inputs and the next-token targets. ``kv_heads`` is the KV head count of the
+#: GQA layers, tiny_gpt's odd ones; ``batch`` is per data-parallel rank.
+DEFAULTS = {
+    "cpu": {"layers": 2, "d_model": 64, "heads": 4, "kv_heads": 2, "seq": 64, "batch": 2,
+            "steps": 4, "lr": 1e-2, "dtype": "float32"},
+    "cuda": {"layers": 4, "d_model": 1024, "heads": 16, "kv_heads": 8, "seq": 2048, "batch": 4,
+             "steps": 8, "lr": 3e-3, "dtype": "bfloat16"},
+}
+SIZES = ("steps", "layers", "d_model", "heads", "kv_heads", "seq", "batch")
 
 
-#: Sizes for GPUs, where the step times should show attention (head dim 64, GQA 2:1).
-CUDA_DEFAULTS = {"layers": 4, "d_model": 1024, "heads": 16, "kv_heads": 8, "seq": 2048,
-                 "batch": 4, "steps": 8, "lr": 3e-3, "dtype": "bfloat16"}
+def make_config(options: dict, device: torch.device) -> DemoConfig:
+    """tiny_gpt's config for the example's options, with q, k and v projected separately so that
+    the tp mode can shard each of them on heads."""
+    options = dict(options)
+    heads, kv_heads = options["heads"], options.pop("kv_heads")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"--kv-heads ({kv_heads}) must divide --heads ({heads})")
+    if options["seq"] < 1:
+        raise ValueError(f"--seq must be at least 1, got {options['seq']}")
+    options.update(seq=options["seq"] + 1, kv_group=heads // kv_heads, device=str(device),
+                   dtype=getattr(torch, options["dtype"]))
+    return DemoConfig(**options, separate_qkv=True)
 
 
-class Attention(nn.Module):
-    """Causal GQA self-attention, q/k/v projected separately so each can be column-parallel."""
-
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.head_dim, self.gqa = cfg.d_model // cfg.heads, cfg.kv_heads != cfg.heads
-        self.wq = nn.Linear(cfg.d_model, cfg.heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.d_model, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, n, _ = x.shape
-        q, k, v = (w(x).view(b, n, -1, self.head_dim).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
-        return self.wo(y.transpose(1, 2).reshape(b, n, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.attn = Attention(cfg)
-        self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class GPT(nn.Module):
-    """Returns the next-token cross-entropy of a (batch, seq) token tensor."""
-
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.positions = nn.Embedding(cfg.seq, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.norm = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        x = self.tokens(inputs) + self.positions.weight[: inputs.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return F.cross_entropy(self.head(self.norm(x)).float().flatten(0, 1), targets.flatten())
-
-
-def batch(cfg: Config, generator: torch.Generator, device: torch.device) -> Tensor:
-    """Sequences following a fixed successor map from random starts: the loss falls quickly."""
-    successor = torch.randperm(cfg.vocab, generator=torch.Generator().manual_seed(cfg.seed))
-    tokens = torch.empty((cfg.batch, cfg.seq + 1), dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, cfg.vocab, (cfg.batch,), generator=generator)
-    for t in range(1, cfg.seq + 1):
-        tokens[:, t] = successor[tokens[:, t - 1]]
-    return tokens.to(device)
-
-
-def compile_blocks(model: GPT) -> None:
+def compile_blocks(model: TinyGPT) -> None:
     for index, block in enumerate(model.blocks):
         model.blocks[index] = torch.compile(block)
 
 
-def parallelize(model: GPT, mode: str, mesh: DeviceMesh) -> nn.Module:
+def parallelize(model: TinyGPT, mode: str, mesh: DeviceMesh) -> nn.Module:
     """Wrap ``model`` for ``mode``; blocks are compiled after tensor parallelism, before FSDP."""
     from torch.distributed.fsdp import fully_shard
 
@@ -153,8 +100,9 @@ def parallelize(model: GPT, mode: str, mesh: DeviceMesh) -> nn.Module:
                                                        parallelize_module)
 
         heads = ColwiseParallel(use_local_output=False)  # attention sees DTensors, heads sharded
-        plan = {"attn.wq": heads, "attn.wk": heads, "attn.wv": heads,
-                "attn.wo": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+        plan = {"attn.q_proj": heads, "attn.k_proj": heads, "attn.v_proj": heads,
+                "attn.proj": RowwiseParallel(), "mlp.0": ColwiseParallel(),
+                "mlp.2": RowwiseParallel()}
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], plan)
         mesh = mesh["dp"]
@@ -207,17 +155,17 @@ def _local(t: Tensor) -> Tensor:
     return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
 
-def train(cfg: Config, mode: str, mesh: DeviceMesh, dp_rank: int, device: torch.device) -> Run:
+def train(cfg: DemoConfig, mode: str, mesh: DeviceMesh, dp_rank: int) -> Run:
     """One run from ``cfg.seed``; step 1 is profiled to count the attention calls."""
+    device = torch.device(cfg.device)
     torch._dynamo.reset()
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg).to(device=device, dtype=getattr(torch, cfg.dtype))
+    model = make_model(cfg)
     wrapped = parallelize(model, mode, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     generator = torch.Generator().manual_seed(cfg.seed + 1 + dp_rank)
     losses, seconds, calls = [], [], Counter()
     for step in range(cfg.steps):
-        tokens = batch(cfg, generator, device)
+        tokens = chain_batch(cfg, generator)
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) \
             if step == 1 else None
         _synchronize(device)
@@ -262,11 +210,11 @@ def make_mesh(mode: str, device: torch.device, world: int, tp: int) -> tuple[Dev
     return mesh, mesh["dp"].get_local_rank()
 
 
-def run_mode(cfg: Config, mode: str, device: torch.device, tp: int) -> tuple[bool, str]:
+def run_mode(cfg: DemoConfig, mode: str, tp: int) -> tuple[bool, str]:
     """Train ``mode`` twice; (reproduced on every rank and ran the expected attention, a line)."""
     world = dist.get_world_size()
-    mesh, dp_rank = make_mesh(mode, device, world, tp)
-    runs = [train(cfg, mode, mesh, dp_rank, device) for _ in range(2)]
+    mesh, dp_rank = make_mesh(mode, torch.device(cfg.device), world, tp)
+    runs = [train(cfg, mode, mesh, dp_rank) for _ in range(2)]
     diff = differing(*runs)
     reports: list[object] = [None] * world
     dist.all_gather_object(reports, (dist.get_rank(), diff))
@@ -292,22 +240,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sdpa", action="store_true",
                         help="turn the rewrite off: PyTorch's deterministic SDPA, for comparison")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the tp mode")
-    sizes = ("steps", "layers", "d_model", "heads", "kv_heads", "seq", "batch")
-    for name in sizes:
+    what = {"kv_heads": "KV heads of the GQA (odd) layers; ", "seq": "attention length; ",
+            "batch": "per data-parallel rank; "}
+    for name in SIZES:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int,
-                            help="default: Config's on CPU, CUDA_DEFAULTS' on CUDA")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+                            help=f"{what.get(name, '')}default {DEFAULTS['cpu'][name]} on CPU, "
+                                 f"{DEFAULTS['cuda'][name]} on CUDA")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="default float32 on CPU, bfloat16 on CUDA")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    given = {name: getattr(args, name) for name in (*sizes, "dtype")
+    given = {name: getattr(args, name) for name in (*SIZES, "dtype")
              if getattr(args, name) is not None}
-    cfg = Config(**{**(CUDA_DEFAULTS if args.device == "cuda" else {}), **given})
-
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(args.device, local_rank) if args.device == "cuda" \
         else torch.device("cpu")
+    try:
+        cfg = make_config({**DEFAULTS[args.device], **given}, device)
+    except ValueError as error:
+        parser.error(str(error))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device
@@ -321,10 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
             print(f"torch {torch.__version__}, {world} x {name}, attention: "
-                  f"{'PyTorch SDPA' if args.sdpa else 'dash'}, {cfg}", flush=True)
+                  f"{'PyTorch SDPA' if args.sdpa else 'dash'} over {cfg.seq - 1} tokens, {cfg}",
+                  flush=True)
         with dash_inductor.config.patch(rewrite="off" if args.sdpa else "deterministic"):
             for mode in modes:
-                passed, line = run_mode(cfg, mode, device, args.tp)
+                passed, line = run_mode(cfg, mode, args.tp)
                 ok &= passed
                 if rank == 0:
                     print(("OK   " if passed else "FAIL ") + line, flush=True)
