@@ -144,10 +144,11 @@ def watch_spin_flag(error_flag: torch.Tensor, what: str | Callable[[int], Except
     """Check a launch's error flag without a host sync: copy it to pinned host memory on the
     stream and look at it once the GPU is past it (:func:`check_spin_flags`, run by every backward
     launch). ``what`` names the launch in the spin error, or makes the error from the flag's
-    nonzero value. Under CUDA-graph capture the flag stays on the device, unwatched."""
-    check_spin_flags()
+    nonzero value. Under CUDA-graph capture the flag stays on the device, unwatched, and earlier
+    flags are not looked at either (querying an event is not allowed while a stream captures)."""
     if torch.cuda.is_current_stream_capturing():
         return
+    check_spin_flags()
     host_flag = torch.empty((1,), dtype=torch.int32, pin_memory=True)
     host_flag.copy_(error_flag, non_blocking=True)
     done = torch.cuda.Event()
