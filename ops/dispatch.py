@@ -4,8 +4,8 @@
 "portable" is the ``tl`` kernels of ``ops/``; "hopper" the sm90 Gluon family of ``ops/hopper/``,
 refused with the reason when it cannot take the inputs; "auto" takes the
 Hopper kernels where they measured faster than the portable ones (``hopper.config``:
-``FORWARD_ON_HOPPER`` for the forward, which is off until its kernel has been validated on a GPU;
-``FASTER_ON_HOPPER`` for the backward schedules; docs/benchmarks.md) and the portable kernels everywhere else, and says why.
+``forward_on_hopper`` for the forward, ``FASTER_ON_HOPPER`` for the backward schedules;
+docs/kernels-notes.md, docs/benchmarks.md) and the portable kernels everywhere else, and says why.
 """
 
 from __future__ import annotations
@@ -48,15 +48,15 @@ def select_kernel(kernel: str, op: str, q: torch.Tensor, k: torch.Tensor, v: tor
                          f"use kernel='auto' or 'portable'")
     if reason is not None:
         return PORTABLE, reason
-    from .hopper.config import FASTER_ON_HOPPER, FORWARD_ON_HOPPER
+    from .hopper.config import FASTER_ON_HOPPER, forward_on_hopper
 
-    if op == "forward":
-        if FORWARD_ON_HOPPER:
-            return HOPPER, None
-        return PORTABLE, ("the Hopper forward kernel has not yet been validated on a GPU; the "
-                          "portable forward runs")
     if kernel == HOPPER:
         return HOPPER, None
+    if op == "forward":
+        if forward_on_hopper(q.shape[-1], q.shape[2], q.shape[1] // k.shape[1]):
+            return HOPPER, None
+        return PORTABLE, ("the Hopper forward measured faster only at head dim 128 without GQA "
+                          "from N = 4096")
     if schedule not in FASTER_ON_HOPPER:
         return PORTABLE, (f"schedule {schedule!r} measured faster on the portable kernels "
                           f"(the Hopper path is picked for {list(FASTER_ON_HOPPER)})")

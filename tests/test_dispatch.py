@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from dash_inductor.ops import catalog, dispatch
-from dash_inductor.ops.hopper import config as hopper_config
 from dash_inductor.ops.hopper.config import FASTER_ON_HOPPER
 
 
@@ -31,16 +30,18 @@ def test_ordered_schedules_are_the_hopper_ones():
     assert set(FASTER_ON_HOPPER) == {s for s in catalog.NAMES if catalog.is_ordered(s)}
 
 
-@pytest.mark.parametrize("validated", [False, True])
-def test_forward_takes_hopper_exactly_when_its_kernel_is_switched_on(hopper_takes_it, monkeypatch,
-                                                                     validated):
-    monkeypatch.setattr(hopper_config, "FORWARD_ON_HOPPER", validated)
-    for kernel in ("auto", "hopper"):
-        path, reason = dispatch.select_kernel(kernel, "forward", *_qkv(), None, True)
-        assert (path == dispatch.HOPPER) == validated
-        assert (reason is None) == validated
-        if reason is not None:
-            assert "not yet been validated on a GPU" in reason
+@pytest.mark.parametrize("shape, takes_hopper", [
+    ((1, 2, 2, 4096, 128), True), ((1, 8, 2, 4096, 128), False), ((1, 2, 2, 1024, 128), False),
+    ((1, 2, 2, 8192, 64), False)], ids=["d128-4k", "gqa", "1k", "d64"])
+def test_auto_forward_takes_hopper_where_it_measured_faster(hopper_takes_it, shape, takes_hopper):
+    batch, hq, hkv, seq, dim = shape
+    q = torch.empty(batch, hq, seq, dim)
+    k = v = torch.empty(batch, hkv, seq, dim)
+    path, reason = dispatch.select_kernel("auto", "forward", q, k, v, None, True)
+    assert (path == dispatch.HOPPER) == takes_hopper
+    assert (reason is None) == takes_hopper
+    assert dispatch.select_kernel("hopper", "forward", q, k, v, None, True) == (dispatch.HOPPER,
+                                                                                None)
 
 
 def test_named_paths(hopper_takes_it):

@@ -20,11 +20,15 @@ HEAD_DIMS = (64, 128)
 #: critical path; ``recompute`` and ``atomic`` have no waits and stayed faster on the portable path.
 FASTER_ON_HOPPER = ORDERED
 
-#: Whether the forward runs on the Hopper path where it takes the inputs (``kernel="auto"`` and
-#: ``"hopper"``). Off: ``ops/hopper/forward.py`` compiles for sm90 (tests/test_hopper_compile.py)
-#: but has not yet run on a GPU; ``bench/hopper_forward.py`` checks and times it there, and its
-#: result decides this switch.
-FORWARD_ON_HOPPER = False
+def forward_on_hopper(head_dim: int, seq_q: int, group: int) -> bool:
+    """Whether ``kernel="auto"`` runs the forward on the Hopper path (where it takes the inputs).
+
+    Measured on an H100 (``bench/hopper_forward.py``, bench/results/2026-11-23-h100-a8f3a01/,
+    bf16, TFLOP/s Hopper / portable): faster at head dim 128 without GQA from N = 4096 (4k full
+    488 / 459, causal 441 / 429, 16k full 504 / 476, causal 506 / 467); slower at head dim 64
+    (353 / 419), with GQA 4:1 unmasked (493 / 514) and at N = 1024 (376 / 406).
+    """
+    return head_dim == 128 and group == 1 and seq_q >= 4096
 
 #: What ``schedule="auto"`` resolves to where the Hopper path takes the inputs: ``shift`` was the
 #: fastest deterministic schedule at every point of the H100 table (docs/benchmarks.md; d128 4k
