@@ -1,4 +1,4 @@
-"""Host side of the Hopper backward: what it accepts, its buffers, descriptors and grid.
+"""Host side of the Hopper forward and backward: what they accept, their buffers, descriptors, grids.
 
 The kernels read Q, K, V and dO (and the forward writes O) through rank-3 TMA descriptors over
 (batch * heads, rows, head dim), which needs each tensor's batch stride to be heads x its head
