@@ -1,7 +1,8 @@
 """What bench/packed.py measures: the packed and windowed problems, their masks, and the methods.
 
-Each problem is causal attention over packed documents with an optional window of ``left`` keys
-back; the documents' offsets, FlexAttention's mask_mod and SDPA's dense mask all derive from
+Each problem is attention over packed documents, causal with an optional window of ``left`` keys
+back, except "full": one sequence, every query on every key (the issue's "full 16k" that a 4k
+window is held against). The documents' offsets, FlexAttention's mask_mod and SDPA's dense mask all derive from
 (lengths, left) through one definition (``allowed``), so every method computes the same mask.
 Every method takes and returns (1, H, T, D) tensors laid out over (T, H, D) storage; the varlen
 APIs see the packed (T, H, D) view of the same memory.
@@ -59,9 +60,10 @@ def causal_pairs(length: int, left: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """Causal attention over packed documents, with a window of ``left`` keys back (-1: none)."""
+    """Attention over packed documents: causal with a window of ``left`` keys back (-1: none),
+    or for "full" neither causal nor windowed."""
 
-    kind: str  #: "docs", "window" or "full"
+    kind: str  #: "docs", "window", "causal" or "full"
     head_dim: int
     heads: int
     lengths: tuple[int, ...]
@@ -72,7 +74,13 @@ class Case:
         return sum(self.lengths)
 
     @property
+    def causal(self) -> bool:
+        return self.kind != "full"
+
+    @property
     def pairs(self) -> int:
+        if not self.causal:
+            return sum(n * n for n in self.lengths)
         return sum(causal_pairs(n, self.left) for n in self.lengths)
 
     @property
@@ -82,22 +90,25 @@ class Case:
     @property
     def label(self) -> str:
         what = {"docs": f"{len(self.lengths)} docs", "window": f"window {self.left}",
-                "full": "causal"}[self.kind]
+                "causal": "causal", "full": "full"}[self.kind]
         return f"d{self.head_dim} {what} T={self.tokens}"
 
 
 def cases(sizes: Sizes, head_dims: tuple[int, ...]) -> list[Case]:
-    """Per head dim: the packed documents, the windowed sequence, the same sequence causal."""
+    """Per head dim: the packed documents, the windowed sequence, the same sequence causal and
+    full."""
     whole = (sizes.tokens,)
-    shapes = (("docs", pack(sizes), -1), ("window", whole, sizes.window), ("full", whole, -1))
+    shapes = (("docs", pack(sizes), -1), ("window", whole, sizes.window), ("causal", whole, -1),
+              ("full", whole, -1))
     return [Case(kind, d, sizes.width // d, lengths, left)
             for d in head_dims for kind, lengths, left in shapes]
 
 
-def allowed(q_idx: Tensor, kv_idx: Tensor, doc: Tensor, left: int) -> Tensor:
-    """The mask, shared by FlexAttention's mask_mod and SDPA's dense mask: same document, causal,
-    within the window."""
-    keep = (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+def allowed(q_idx: Tensor, kv_idx: Tensor, doc: Tensor, left: int, causal: bool) -> Tensor:
+    """The mask, shared by FlexAttention's mask_mod and SDPA's dense mask: same document, causal
+    (unless not), within the window."""
+    keep = doc[q_idx] == doc[kv_idx]
+    keep = keep & (q_idx >= kv_idx) if causal else keep
     return keep if left < 0 else keep & (q_idx - kv_idx <= left)
 
 
@@ -134,7 +145,8 @@ class Setup:
     def dense_mask(self) -> Tensor:
         if self.dense is None:
             pos = torch.arange(self.case.tokens, device=self.device)
-            self.dense = allowed(pos[:, None], pos[None, :], self.doc, self.case.left)
+            self.dense = allowed(pos[:, None], pos[None, :], self.doc, self.case.left,
+                                 self.case.causal)
         return self.dense
 
 
@@ -151,7 +163,7 @@ def dash_candidates(setup: Setup) -> Candidates:
             _packed(q), _packed(k), _packed(v), setup.cu_seq, setup.cu_seq, longest, longest,
             window_size=window)))]
     window = window if case.left >= 0 else (-1, -1)
-    return [("dash", lambda q, k, v: dash_inductor.attention(q, k, v, is_causal=True,
+    return [("dash", lambda q, k, v: dash_inductor.attention(q, k, v, is_causal=case.causal,
                                                              window_size=window))]
 
 
@@ -166,8 +178,9 @@ def flex_candidates(setup: Setup) -> Candidates:
 
     if not _FLEX:
         _FLEX.append(torch.compile(flex_attention, dynamic=False))
-    doc, left, tokens = setup.doc, setup.case.left, setup.case.tokens
-    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: allowed(q_idx, kv_idx, doc, left),
+    doc, left, causal, tokens = setup.doc, setup.case.left, setup.case.causal, setup.case.tokens
+    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: allowed(q_idx, kv_idx, doc, left,
+                                                                       causal),
                                    None, None, tokens, tokens, device=setup.device)
     return [("flex", lambda q, k, v: _FLEX[0](q, k, v, block_mask=block_mask))]
 
@@ -200,7 +213,8 @@ def varlen_attn_candidates(setup: Setup) -> Candidates:
                       "torch.nn.attention.varlen.varlen_attn") from None
     if setup.device != "cuda":
         raise Skipped("varlen_attn runs FlashAttention, on CUDA only")
-    longest, window = max(setup.case.lengths), (setup.case.left, 0)
+    longest = max(setup.case.lengths)
+    window = (setup.case.left, 0) if setup.case.causal else (-1, -1)
     return [("flash", lambda q, k, v: _unpacked(varlen_attn(
         _packed(q), _packed(k), _packed(v), setup.cu_seq, setup.cu_seq, longest, longest,
         window_size=window)))]

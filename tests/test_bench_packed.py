@@ -29,7 +29,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 def test_every_row_is_timed_or_says_why(smoke) -> None:
     rows = smoke[0]["rows"]
     assert {(r["head_dim"], r["kind"]) for r in rows} == {
-        (d, kind) for d in (64, 128) for kind in ("docs", "window", "full")}
+        (d, kind) for d in (64, 128) for kind in ("docs", "window", "causal", "full")}
     for row in rows:
         if row["status"] == "ok":
             for key in ("forward_ms", "backward_ms", "forward_tflops", "backward_tflops"):
@@ -59,9 +59,10 @@ def test_problems_and_attended_pairs(smoke) -> None:
     assert by_kind["docs"]["pairs"] == sum(n * (n + 1) // 2 for n in lengths)
     tokens, window = sizes["tokens"], sizes["window"]
     assert by_kind["window"]["pairs"] == sum(min(i, window) + 1 for i in range(tokens))
-    assert by_kind["full"]["pairs"] == tokens * (tokens + 1) // 2
+    assert by_kind["causal"]["pairs"] == tokens * (tokens + 1) // 2
+    assert by_kind["full"]["pairs"] == tokens * tokens
     for entry in result["summary"]:
-        assert 0 < entry["window_over_full_pairs"] < 1
+        assert 0 < entry["window_over_full_pairs"] < entry["window_over_causal_pairs"] < 1
         assert math.isfinite(entry["window_over_full_backward"])
         assert entry["docs_flex_over_dash_auto_bwd"] is None  # no FlexAttention on the CPU
 
