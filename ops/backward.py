@@ -246,6 +246,24 @@ def resolve_schedule(schedule: str, head_dim: int, dtype: torch.dtype, causal: b
     return catalog.get(schedule)
 
 
+def choose_path(kernel: str, schedule: str, requested: Schedule, q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                window: tuple[int, int]) -> tuple[str, str | None, Schedule]:
+    """(kernel path, why "auto" did not take the Hopper one, the schedule to run there):
+    ``schedule="auto"`` is the Hopper path's own auto schedule where that path takes the inputs,
+    else ``requested`` (the portable rule's), run where ``select_kernel`` says."""
+    if schedule == catalog.AUTO and kernel != "portable":
+        from .hopper.config import AUTO_ON_HOPPER
+
+        path, reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal,
+                                     AUTO_ON_HOPPER, window)
+        if path == HOPPER:
+            return path, reason, catalog.get(AUTO_ON_HOPPER)
+    path, reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal, requested.name,
+                                 window)
+    return path, reason, requested
+
+
 def fit_schedule(schedule: Schedule, causal: bool, n_kv: int, capacity: int,
                   shape: str) -> tuple[Schedule, str | None]:
     """The schedule that fits ``capacity`` co-resident programs, and why it is not the one asked."""
@@ -292,23 +310,15 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
     requested = resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, n_kv, arch)
-    path = None
-    if schedule == catalog.AUTO and kernel != "portable":
-        from .hopper.config import AUTO_ON_HOPPER
-
-        path, kernel_reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal,
-                                            AUTO_ON_HOPPER, window)
-        if path == HOPPER:
-            requested = catalog.get(AUTO_ON_HOPPER)
-    if path != HOPPER:
-        path, kernel_reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal,
-                                            requested.name, window)
+    path, kernel_reason, requested = choose_path(kernel, schedule, requested, q, k, v, mask,
+                                                 is_causal, window)
     if path == HOPPER:
         from .hopper.launch import attention_backward as hopper_backward
 
         return hopper_backward(grad_out, q, k, v, out, lse, dq, dk, dv, is_causal=is_causal,
                                scale=scale, schedule=requested, max_spin=max_spin,
-                               schedule_requested=schedule, kernel_reason=kernel_reason)
+                               schedule_requested=schedule, kernel_reason=kernel_reason,
+                               window=window)
     delta = compute_delta(out, grad_out)
     # A fallback keeps dQ in the main kernel and ordered (catalog.fallback), so the buffers of the
     # requested schedule serve the one that runs.

@@ -20,9 +20,9 @@ NO_WINDOW = (-1, -1)
 
 
 def _hopper_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        mask: torch.Tensor | None, window: tuple[int, int]) -> str | None:
-    if tuple(window) != NO_WINDOW:
-        return f"window_size={tuple(window)} (the Hopper kernels take no sliding window)"
+                        mask: torch.Tensor | None, window: tuple[int, int], op: str) -> str | None:
+    if op == "forward" and tuple(window) != NO_WINDOW:
+        return f"window_size={tuple(window)} (the Hopper forward takes no sliding window)"
     if q.device.type != "cuda":
         return f"device {q.device.type!r} (the Hopper kernels run on sm90 GPUs)"
     try:
@@ -42,7 +42,7 @@ def select_kernel(kernel: str, op: str, q: torch.Tensor, k: torch.Tensor, v: tor
         raise ValueError(f"dash.attention: kernel must be one of {list(KERNELS)}, got {kernel!r}")
     if kernel == PORTABLE:
         return PORTABLE, None
-    reason = _hopper_unsupported(q, k, v, mask, window)
+    reason = _hopper_unsupported(q, k, v, mask, window, op)
     if kernel == HOPPER and reason is not None:  # refused when the forward runs, not later
         raise ValueError(f"dash.attention: kernel='hopper' cannot run this attention: {reason}; "
                          f"use kernel='auto' or 'portable'")

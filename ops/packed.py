@@ -7,6 +7,8 @@ variant over a virtual batch of N sequences, as if each were padded to ``max_q``
 programs read their sequence's bounds from the offsets on the device and do nothing past them, so
 the host never reads the offsets and a sequence's bits do not depend on what is packed beside it.
 Causal and window are aligned bottom-right per sequence (FlashAttention's varlen convention).
+The backward runs the Hopper kernel instead (``ops/hopper/``, the same virtual batch) where
+``ops/dispatch.py`` picks it; the forward is always the portable one.
 
 On CUDA a one-program kernel checks the offsets' contract (``ops/offsets.py``) and raises
 through the launches' error flags (``launch.watch_spin_flag``): asynchronously, at a later launch
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import resolve_schedule, compute_delta, launch_main
+from .backward import choose_path, resolve_schedule, compute_delta, launch_main
 from .catalog import KERNELS
 from .configs import arch_key, backward_config, forward_config, head_dim_bucket
 from .dispatch import HOPPER, PORTABLE
@@ -33,7 +35,7 @@ from .plan import Plan
 _START, _ORDER = tl.constexpr(offsets.START), tl.constexpr(offsets.ORDER)
 _END, _LONGEST = tl.constexpr(offsets.END), tl.constexpr(offsets.LONGEST)
 _KEYS = tl.constexpr(offsets.KEYS)
-_NO_HOPPER = "packed sequences (the Hopper kernels take no cu_seq offsets)"
+_NO_HOPPER = "packed sequences (the Hopper forward takes no cu_seq offsets)"
 
 
 @triton.jit
@@ -79,8 +81,8 @@ def _check_on_device(cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, totals: tup
     watch_spin_flag(flag, lambda code: ValueError(offsets.device_breach(code, totals, max_lens)))
 
 
-def _kernel_reason(kernel: str) -> str | None:
-    """Why ``kernel="auto"`` runs the portable kernels here; the Hopper path has no packed kernels."""
+def _forward_reason(kernel: str) -> str | None:
+    """Why ``kernel="auto"`` runs the portable forward; the Hopper path has no packed forward."""
     if kernel not in KERNELS:
         raise ValueError(f"dash.varlen_attention: kernel must be one of {list(KERNELS)}, got "
                          f"{kernel!r}")
@@ -107,7 +109,7 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q: 
     aligned bottom-right per sequence: query i of a sequence of L queries and S keys has diagonal
     key i + S - L. A query that sees no key gets 0 and a logsumexp of -inf.
     """
-    reason = _kernel_reason(kernel)
+    reason = _forward_reason(kernel)
     num_seqs, hq = cu_seq_q.numel() - 1, q.shape[1]
     if not lse.is_contiguous():
         raise ValueError("lse must be a contiguous fp32 tensor of shape (Hq, Tq)")
@@ -137,7 +139,6 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     diagonal by shifting its tile coordinates (``tiles.diagonal_origin``), so a causal sequence
     with more keys than queries runs the square causal schedule of max(L, S) on its real rows.
     """
-    reason = _kernel_reason(kernel)
     window = tuple(window)
     (tq, hq, e), (tk, ev) = q.shape, (v.shape[0], v.shape[2])
     num_seqs = cu_seq_q.numel() - 1
@@ -149,7 +150,20 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     span_q, span_k = (max(max_q, max_k),) * 2 if aligned else (max_q, max_k)
     n_q, n_kv = triton.cdiv(span_q, cfg.block_n), triton.cdiv(span_k, cfg.block_n)
     requested = resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, max(n_kv, 1), arch)
+    if kernel not in KERNELS:
+        raise ValueError(f"dash.varlen_attention: kernel must be one of {list(KERNELS)}, got "
+                         f"{kernel!r}")
+    path, reason, requested = choose_path(kernel, schedule, requested, q, k, v, None, is_causal,
+                                          window)
     _check_on_device(cu_seq_q, cu_seq_k, (tq, tk), (max_q, max_k))
+    if path == HOPPER:
+        from .hopper.launch import varlen_backward as hopper_varlen_backward
+
+        return hopper_varlen_backward(grad_out, q, k, v, out, lse,
+                                      (cu_seq_q, cu_seq_k, max_q, max_k), dq, dk, dv,
+                                      is_causal=is_causal, scale=scale, schedule=requested,
+                                      max_spin=max_spin, window=window,
+                                      schedule_requested=schedule, kernel_reason=reason)
     if not (num_seqs and n_q and n_kv and tq and tk):  # no sequence has both queries and keys
         dq.zero_()
         return Plan("backward", PORTABLE, reason, schedule, requested.name, None, (), cfg)

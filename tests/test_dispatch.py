@@ -53,13 +53,14 @@ def test_named_paths(hopper_takes_it):
         dispatch.select_kernel("fast", "backward", *_qkv(), None, False, "shift")
 
 
-def test_a_window_stays_portable_and_hopper_refuses_it():
-    for op in ("forward", "backward"):
-        with pytest.raises(ValueError, match="no sliding window"):
-            dispatch.select_kernel("hopper", op, *_qkv(), None, True, "shift", window=(128, 0))
-    path, reason = dispatch.select_kernel("auto", "backward", *_qkv(), None, True, "shift",
-                                          window=(128, 0))
+def test_a_window_keeps_the_forward_portable_and_the_backward_on_hopper():
+    with pytest.raises(ValueError, match="Hopper forward takes no sliding window"):
+        dispatch.select_kernel("hopper", "forward", *_qkv(), None, True, window=(128, 0))
+    path, reason = dispatch.select_kernel("auto", "forward", *_qkv(), None, True, window=(128, 0))
     assert path == dispatch.PORTABLE and "window_size=(128, 0)" in reason
+    # Here the backward is refused for the CPU only, not for the window.
+    reason = dispatch._hopper_unsupported(*_qkv(), None, (128, 0), "backward")
+    assert reason.startswith("device 'cpu'")
 
 
 def test_hopper_refused_with_the_reason_on_cpu():

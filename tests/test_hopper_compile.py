@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from dash_inductor.ops import catalog
+from dash_inductor.ops.hopper import aot
 
 DTYPES = ("bf16", "fp16")
 
@@ -35,17 +36,13 @@ def variants() -> dict[tuple, dict]:
         assert run.returncode == 0, err[-4000:]
         for line in out.splitlines():
             row = json.loads(line)
-            found[(row["dtype"], row["head_dim"], row["schedule"], row["causal"])] = row
+            found[(row["dtype"], row["head_dim"], row["schedule"], row["causal"],
+                   row["variant"])] = row
     return found
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("schedule", catalog.NAMES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_compiles_for_sm90(variants, dtype, head_dim, schedule, causal):
+def _check_backward(row: dict, schedule: str) -> None:
     sched = catalog.get(schedule)
-    row = variants[(dtype, head_dim, schedule, causal)]
     assert row["cubin_bytes"] > 0
     assert row["wgmma"] > 0
     assert row["tma_loads"] >= 4  # K, V, Q, dO (the compiler may duplicate a load on two paths)
@@ -57,10 +54,27 @@ def test_backward_compiles_for_sm90(variants, dtype, head_dim, schedule, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("schedule", catalog.NAMES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_compiles_for_sm90(variants, dtype, head_dim, schedule, causal):
+    _check_backward(variants[(dtype, head_dim, schedule, causal, "dense")], schedule)
+
+
+@pytest.mark.parametrize("schedule, causal, window, varlen", aot.MASKED_VARIANTS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_and_packed_backward_compile_for_sm90(variants, dtype, head_dim, schedule, causal,
+                                                     window, varlen):
+    _check_backward(variants[(dtype, head_dim, schedule, causal, aot.variant_name(window, varlen))],
+                    schedule)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_compiles_for_sm90(variants, dtype, head_dim, causal):
-    row = variants[(dtype, head_dim, "forward", causal)]
+    row = variants[(dtype, head_dim, "forward", causal, "dense")]
     assert row["cubin_bytes"] > 0
     assert row["wgmma"] > 0
     assert row["tma_loads"] >= 3 and row["tma_stores"] >= 1  # Q, K, V in; O out

@@ -34,20 +34,24 @@ def _descriptor(dtype: str, block: list[int]) -> str:
 
 
 def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, group: int = 1,
-                     even_s: bool = True, cfg: HopperBackwardConfig | None = None):
+                     even_s: bool = True, cfg: HopperBackwardConfig | None = None,
+                     window: bool = False, varlen: bool = False):
     """The compiled backward kernel (``triton.compiler.CompiledKernel``) for one variant, for sm90."""
     cfg = cfg or backward_config(head_dim, causal)
-    constexprs = backward_constexprs(schedule, causal, group, even_s, cfg)
+    constexprs = backward_constexprs(schedule, causal, group, even_s and not varlen, cfg, window,
+                                     varlen)
     q_block = _descriptor(dtype, [1, cfg.block_m, head_dim])
     kv_block = _descriptor(dtype, [1, cfg.block_n, head_dim])
     stats_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m], gl.float32)
     stats_block = f"tensordesc<fp32[{cfg.block_m}],{stats_layout!r}>"
     signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "do_desc": q_block,
                  "lse_desc": stats_block, "delta_desc": stats_block, "DK": f"*{dtype}", "DV": f"*{dtype}",
-                 "DQACC": "*fp32", "TICKETS": "*i32", "ERR": "*i32"}
+                 "DQACC": "*fp32", "TICKETS": "*i32", "ERR": "*i32", "CU_Q": "*i32",
+                 "CU_K": "*i32"}
     signature.update({name: "i64" for name in ("stride_dkb", "stride_dkh", "stride_dkn",
                                                "stride_dvb", "stride_dvh", "stride_dvn")})
-    signature.update({name: "i32" for name in ("HQ", "HKV", "S", "n_q", "n_kv",
+    signature.update({name: "i32" for name in ("HQ", "HKV", "L", "S", "n_q", "n_kv", "max_q",
+                                               "max_k", "row_stride", "win_left", "win_right",
                                                "items_per_head", "total_items")})
     signature.update({"qk_scale": "fp32", "sm_scale": "fp32", "max_spin": "i32"})
     signature.update({name: "constexpr" for name in constexprs})
@@ -105,24 +109,40 @@ def summary(compiled) -> dict[str, int]:
             "cubin_bytes": len(compiled.asm["cubin"])}
 
 
+#: The sliding-window and packed variants CI compiles besides every dense one: (schedule, causal,
+#: window, varlen); ``shift`` has no windowed ranks (the launchers fall back).
+MASKED_VARIANTS = (("descending", True, True, False), ("ascending", False, True, False),
+                   ("shift", True, False, True), ("ascending", False, False, True),
+                   ("recompute", True, False, True), ("descending", True, True, True))
+
+
+def variant_name(window: bool, varlen: bool) -> str:
+    """"dense", "window", "varlen" or "varlen+window"."""
+    return "+".join(name for name, on in (("varlen", varlen), ("window", window)) if on) or "dense"
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Compile every forward and backward variant of one dtype; print one JSON line per variant
-    (``schedule`` is "forward" for the forward kernel)."""
+    """Compile every forward and dense backward variant of one dtype, and MASKED_VARIANTS; print
+    one JSON line per variant (``schedule`` is "forward" for the forward kernel)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--dtype", choices=sorted(_GL_DTYPES), required=True)
     args = parser.parse_args(argv)
     for head_dim in HEAD_DIMS:
         for causal in (False, True):
             compiled = compile_forward(args.dtype, head_dim, causal, group=2 if causal else 1)
-            key = dict(dtype=args.dtype, head_dim=head_dim, schedule="forward", causal=causal)
+            key = dict(dtype=args.dtype, head_dim=head_dim, schedule="forward", causal=causal,
+                       variant="dense")
             print(json.dumps({**key, **summary(compiled)}), flush=True)
+    backward_variants = [(schedule, causal, False, False) for schedule in NAMES
+                         for causal in (False, True)] + list(MASKED_VARIANTS)
     for head_dim in HEAD_DIMS:
-        for schedule in NAMES:
-            for causal in (False, True):
-                compiled = compile_backward(args.dtype, head_dim, schedule, causal,
-                                            group=2 if causal else 1, even_s=not causal)
-                key = dict(dtype=args.dtype, head_dim=head_dim, schedule=schedule, causal=causal)
-                print(json.dumps({**key, **summary(compiled)}), flush=True)
+        for schedule, causal, window, varlen in backward_variants:
+            compiled = compile_backward(args.dtype, head_dim, schedule, causal,
+                                        group=2 if causal else 1, even_s=not causal,
+                                        window=window, varlen=varlen)
+            key = dict(dtype=args.dtype, head_dim=head_dim, schedule=schedule, causal=causal,
+                       variant=variant_name(window, varlen))
+            print(json.dumps({**key, **summary(compiled)}), flush=True)
 
 
 if __name__ == "__main__":

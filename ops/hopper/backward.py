@@ -16,6 +16,13 @@ al. 2024, and of DASH's dQ writer, Qiang et al. 2026):
 
 Queries sit along dim 1 of S^T (keys along dim 0), so dK and dV accumulate from registers, and
 dS^T goes through shared memory once to feed dQ = dS K.
+
+WINDOW (a sliding window) and VARLEN (packed sequences, ``ops/packed.py``'s virtual batch) walk
+the tiles as the portable kernel does (``walk.py``). A packed sequence's TMA boxes may reach into
+its neighbours (or past the tensor, where TMA reads zeros): the compute warps zero such rows of a
+boundary tile in shared memory before any MMA reads it, mask P and delta to the sequence, and the
+writer adds only the sequence's rows, so no value of a neighbour (not even a NaN) reaches a
+sequence's gradients, and its bits do not depend on what is packed beside it.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
-from .. import schedules as sch
+from . import walk
 
 #: A barrier over the calling partition's warps (``thread_barrier`` until Triton 3.6, ``barrier`` after).
 _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -46,18 +53,40 @@ def _red_add(ptrs, vals):
 
 
 @gluon.jit
-def _work_head(work, items_per_head, HKV):
-    """(batch, KV head, item) of a work item, heads major."""
-    head = work // items_per_head
-    return head // HKV, head % HKV, work % items_per_head
+def _red_add_rows(ptrs, vals, keep):
+    """``_red_add`` of the elements where ``keep`` (int32, constant over each run of four)."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $12, 0;\n"
+        "@p red.global.gpu.relaxed.add.v4.f32 [$4], {$8, $9, $10, $11}; }\n"
+        "mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;",
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
+        [ptrs.to(gl.int64, bitcast=True), vals.to(gl.int32, bitcast=True), keep], dtype=gl.int32,
+        is_pure=False, pack=4)
+
+
+@gluon.jit
+def _zero_outside(buf, lo, hi, num_warps: gl.constexpr):
+    """Zero the rows of shared tile ``buf`` outside [lo, hi), then make the stores visible to the
+    MMAs (async proxy) of every warp of the partition."""
+    ROWS: gl.constexpr = buf.shape[0]
+    COLS: gl.constexpr = buf.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (COLS // 8), COLS // 8], [num_warps, 1],
+                                            [1, 0])
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    tile = buf.load(layout)
+    keep = gl.expand_dims((rows >= lo) & (rows < hi), 1)
+    buf.store(gl.where(keep, tile, gl.zeros_like(tile)))
+    fence_async_shared()
+    _partition_barrier()
 
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                    HQ, HKV, n_q, n_kv, items_per_head, total_items,
+                    CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
+                    win_right, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
-                    NUM_SLOTS: gl.constexpr):
+                    NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -65,47 +94,55 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
     HEAD_D: gl.constexpr = k_smem.shape[1]
     step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-    l_pad = n_q * BLOCK_N
     tile_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     it = 0
     tile = 0
     for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
-        b, hkv, item = _work_head(work, items_per_head, HKV)
+        b, hkv, item = walk.work_head(work, items_per_head, HKV)
+        q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
+            b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
+        kv_head = hkv if VARLEN else b * HKV + hkv
         for slot in range(NUM_SLOTS):
-            kv = sch.slot_kv_tile(item, slot, n_kv, CAUSAL, SCHEDULE)
+            kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
                 mbarrier.wait(kv_empty, (tile & 1) ^ 1)
                 mbarrier.expect(kv_ready, tile_bytes)
-                _tma_load(k_desc, [b * HKV + hkv, kv * BLOCK_N, 0], kv_ready,
-                                                k_smem.reshape([1, BLOCK_N, HEAD_D]))
-                _tma_load(v_desc, [b * HKV + hkv, kv * BLOCK_N, 0], kv_ready,
-                                                v_smem.reshape([1, BLOCK_N, HEAD_D]))
+                key0 = k_start + kv * BLOCK_N
+                _tma_load(k_desc, [kv_head, key0, 0], kv_ready, k_smem.reshape([1, BLOCK_N, HEAD_D]))
+                _tma_load(v_desc, [kv_head, key0, 0], kv_ready, v_smem.reshape([1, BLOCK_N, HEAD_D]))
                 tile += 1
-                n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
+                first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
+                                            WINDOW)
                 for g in range(GROUP):
-                    bh = b * HQ + hkv * GROUP + g
-                    for step in range(n_steps):
-                        qt = sch.q_tile_at(step // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
-                        row = qt * BLOCK_N + (step % NSUB) * BLOCK_M
-                        s = it % STAGES
-                        mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
-                        bar = q_ready.index(s)
-                        mbarrier.expect(bar, step_bytes)
-                        _tma_load(q_desc, [bh, row, 0], bar,
-                                                        q_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
-                        _tma_load(do_desc, [bh, row, 0], bar,
-                                                        do_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
-                        _tma_load(lse_desc, [bh * l_pad + row], bar, lse_bufs.index(s))
-                        _tma_load(delta_desc, [bh * l_pad + row], bar, delta_bufs.index(s))
-                        it += 1
+                    q_head, row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride,
+                                                      VARLEN)
+                    for step in range(count * NSUB):
+                        qt = walk.q_tile(step // NSUB, kv, first, count, tiles_q, tiles_kv, CAUSAL,
+                                         WINDOW, SCHEDULE)
+                        row0 = qt * BLOCK_N + (step % NSUB) * BLOCK_M
+                        if walk.has_rows(row0, BLOCK_M, q_lo, q_hi, VARLEN):
+                            s = it % STAGES
+                            mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
+                            bar = q_ready.index(s)
+                            mbarrier.expect(bar, step_bytes)
+                            packed_row = q_start + row0
+                            _tma_load(q_desc, [q_head, packed_row, 0], bar,
+                                      q_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
+                            _tma_load(do_desc, [q_head, packed_row, 0], bar,
+                                      do_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
+                            _tma_load(lse_desc, [row_base + row0], bar, lse_bufs.index(s))
+                            _tma_load(delta_desc, [row_base + row0], bar, delta_bufs.index(s))
+                            it += 1
 
 
 @gluon.jit
-def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR,
-                  HQ, HKV, n_q, n_kv, items_per_head, total_items, max_spin,
+def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
+                  HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
+                  items_per_head, total_items, max_spin,
                   GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                   NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
-                  ORDERED: gl.constexpr, ROWS: gl.constexpr):
+                  ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
+                  VARLEN: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED."""
     if not COMPUTE_DQ:
         return
@@ -118,60 +155,161 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR,
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // HEAD_D, HEAD_D // 4], [1, 1], [1, 0])
     offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
-    l_pad = n_q * BLOCK_N
     it = 0
     for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
-        b, hkv, item = _work_head(work, items_per_head, HKV)
+        b, hkv, item = walk.work_head(work, items_per_head, HKV)
+        q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
+            b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         for slot in range(NUM_SLOTS):
-            kv = sch.slot_kv_tile(item, slot, n_kv, CAUSAL, SCHEDULE)
+            kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
-                n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
+                first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
+                                            WINDOW)
                 for g in range(GROUP):
-                    bh = b * HQ + hkv * GROUP + g
-                    for step in range(n_steps):
-                        qt = sch.q_tile_at(step // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
-                        sub = step % NSUB
-                        d = it % DQ_STAGES
-                        ticket = TICKETS + (bh * n_q + qt) * NSUB + sub
-                        if ORDERED:
-                            # Wait for the turn before the partial is ready: the turn usually
-                            # comes while this step is still computing, and the compute warps,
-                            # which wait for the staging buffer, never wait for a poll.
-                            rank = sch.reduction_rank(qt, kv, n_q, n_kv, CAUSAL, SCHEDULE)
-                            seen = gl.atomic_add(ticket, 0, sem="acquire")
-                            spins = 0
-                            while (seen != rank) & (spins < max_spin):
+                    q_head, row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride,
+                                                      VARLEN)
+                    for step in range(count * NSUB):
+                        qt = walk.q_tile(step // NSUB, kv, first, count, tiles_q, tiles_kv, CAUSAL,
+                                         WINDOW, SCHEDULE)
+                        row0 = qt * BLOCK_N + (step % NSUB) * BLOCK_M
+                        if walk.has_rows(row0, BLOCK_M, q_lo, q_hi, VARLEN):
+                            d = it % DQ_STAGES
+                            if VARLEN:  # one ticket per (head, first real row of the sub-tile)
+                                ticket = TICKETS + row_base + gl.maximum(row0, q_lo)
+                            else:
+                                ticket = TICKETS + row_base // BLOCK_M + qt * NSUB + step % NSUB
+                            if ORDERED:
+                                # Wait for the turn before the partial is ready: the turn usually
+                                # comes while this step is still computing, and the compute warps,
+                                # which wait for the staging buffer, never wait for a poll.
+                                turn = walk.rank(qt, kv, tiles_q, tiles_kv, BLOCK_N, win_left,
+                                                 CAUSAL, WINDOW, SCHEDULE)
                                 seen = gl.atomic_add(ticket, 0, sem="acquire")
-                                spins += 1
-                            gl.atomic_max(ERR, 1, mask=seen != rank)
-                        mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
-                        base = DQACC + (bh.to(gl.int64) * l_pad + qt * BLOCK_N + sub * BLOCK_M) * HEAD_D
-                        buf = dq_bufs.index(d)
-                        for r in gl.static_range(0, BLOCK_M, ROWS):
-                            vals = buf.slice(r, ROWS, dim=0).load(layout)
-                            ptrs = base + (r + offs_r)[:, None] * HEAD_D + offs_d[None, :]
-                            _red_add(ptrs, vals)
-                        mbarrier.arrive(dq_empty.index(d), count=1)
-                        if ORDERED:
-                            _partition_barrier()  # every lane's adds are issued before the release
-                            gl.atomic_add(ticket, 1, sem="release")
-                        it += 1
+                                spins = 0
+                                while (seen != turn) & (spins < max_spin):
+                                    seen = gl.atomic_add(ticket, 0, sem="acquire")
+                                    spins += 1
+                                gl.atomic_max(ERR, 1, mask=seen != turn)
+                            mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
+                            base = DQACC + (row_base + row0).to(gl.int64) * HEAD_D
+                            buf = dq_bufs.index(d)
+                            for r in gl.static_range(0, BLOCK_M, ROWS):
+                                vals = buf.slice(r, ROWS, dim=0).load(layout)
+                                ptrs = base + (r + offs_r)[:, None] * HEAD_D + offs_d[None, :]
+                                if VARLEN:
+                                    rows = row0 + r + offs_r
+                                    keep = ((rows >= q_lo) & (rows < q_hi)).to(gl.int32)
+                                    _red_add_rows(ptrs, vals, keep[:, None] + 0 * offs_d[None, :])
+                                else:
+                                    _red_add(ptrs, vals)
+                            mbarrier.arrive(dq_empty.index(d), count=1)
+                            if ORDERED:
+                                _partition_barrier()  # every lane's adds are issued before the release
+                                gl.atomic_add(ticket, 1, sem="release")
+                            it += 1
+
+
+@gluon.jit
+def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs, q_ready,
+          q_empty, dq_ready, dq_empty, dk, dv, it, first_it, row0, cols, q_lo, q_hi, k_lo, k_hi,
+          S, win_left, win_right, qk_scale, sm_scale, s_layout: gl.constexpr,
+          a_layout: gl.constexpr, dq_layout: gl.constexpr, CAUSAL: gl.constexpr,
+          WINDOW: gl.constexpr, VARLEN: gl.constexpr, EVEN_S: gl.constexpr,
+          COMPUTE_DQ: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, num_warps: gl.constexpr):
+    """One step of a KV tile: S^T, P^T, dP^T, dS^T for the Q sub-tile of rows [row0, row0 +
+    BLOCK_M) in stage ``it``; dV and dK accumulate (returned), the dQ partial goes to the writer."""
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.shape[0]
+    HEAD_D: gl.constexpr = k_smem.shape[1]
+    DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
+    dtype: gl.constexpr = k_smem.dtype
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    s = it % STAGES
+    q_s = q_bufs.index(s)
+    do_s = do_bufs.index(s)
+    mbarrier.wait(q_ready.index(s), (it // STAGES) & 1)
+    if VARLEN:  # rows of a neighbour (or of nothing) in the boxes: zeros before any MMA
+        if (row0 < q_lo) | (row0 + BLOCK_M > q_hi):
+            _zero_outside(q_s, q_lo - row0, q_hi - row0, num_warps)
+            _zero_outside(do_s, q_lo - row0, q_hi - row0, num_warps)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if DK_IN_FLIGHT:
+        # In flight: the previous step's dK, then S^T and dP^T. Waiting for S^T also retires
+        # that dK, which frees the previous step's Q/dO stage.
+        s_t, dk = warpgroup_mma_wait(1, deps=(s_t, dk))
+        if it > first_it:
+            mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
+    else:
+        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+    lse2 = lse_bufs.index(s).load(row_layout)
+    p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+    keys = gl.expand_dims(cols, 1)
+    queries = gl.expand_dims(rows, 0)
+    if CAUSAL:
+        p_t = gl.where(keys <= queries, p_t, 0.0)
+    if WINDOW:  # as tiles.window_keep: a side of -1 is open
+        inside = (((keys >= queries - win_left) | (win_left < 0))
+                  & ((keys <= queries + win_right) | (win_right < 0)))
+        p_t = gl.where(inside, p_t, 0.0)
+    if VARLEN:
+        real = (keys >= k_lo) & (keys < k_hi) & (queries >= q_lo) & (queries < q_hi)
+        p_t = gl.where(real, p_t, 0.0)
+    elif not EVEN_S:
+        p_t = gl.where(keys < S, p_t, 0.0)
+    dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
+    dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+    delta = delta_bufs.index(s).load(row_layout)
+    if VARLEN:  # a neighbour's delta may be anything, even NaN
+        delta = gl.where((rows >= q_lo) & (rows < q_hi), delta, 0.0)
+    ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+    if COMPUTE_DQ or DK_IN_FLIGHT:
+        # dQ = dS K reads both warpgroups' keys of dS^T; dK taking dS^T from shared memory (not
+        # registers) leaves ptxas the registers to keep dK in flight into the next step.
+        ds_smem.store(ds_t)
+        fence_async_shared()
+        _partition_barrier()
+    if COMPUTE_DQ:  # dQ first, so that handing it to the writer overlaps dK
+        dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=dq_layout)
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+    if DK_IN_FLIGHT:
+        dk = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
+    else:
+        dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
+    if COMPUTE_DQ:
+        dq, dv, dk = warpgroup_mma_wait(1, deps=(dq, dv, dk))
+        d = it % DQ_STAGES
+        mbarrier.wait(dq_empty.index(d), ((it // DQ_STAGES) & 1) ^ 1)
+        dq_bufs.index(d).store(dq * sm_scale)
+        mbarrier.arrive(dq_ready.index(d), count=1)
+    else:
+        dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
+    if not DK_IN_FLIGHT:
+        # dK from registers must retire within its step: left in flight, it made ptxas serialize
+        # every wgmma (advisory C7512).
+        dk = warpgroup_mma_wait(0, deps=(dk, ))
+        mbarrier.arrive(q_empty.index(s), count=1)
+    return dk, dv
 
 
 @gluon.jit
 def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
-                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV,
+                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, CU_Q, CU_K,
                        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                       HQ, HKV, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale,
+                       HQ, HKV, L, S, n_q, n_kv, max_q, max_k, win_left, win_right,
+                       items_per_head, total_items, qk_scale, sm_scale,
                        GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                        NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, EVEN_S: gl.constexpr,
-                       DK_IN_FLIGHT: gl.constexpr, num_warps: gl.constexpr):
+                       DK_IN_FLIGHT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+                       num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     HEAD_D: gl.constexpr = k_smem.shape[1]
     NSUB: gl.constexpr = BLOCK_N // BLOCK_M
-    DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
     dtype: gl.constexpr = k_smem.dtype
     # Keys along dim 0 of S^T, split over both warpgroups; dQ (BLOCK_M rows) splits its columns.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -181,114 +319,76 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                         instr_shape=[16, HEAD_D // (num_warps // 4), 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     offs_kd = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
     it = 0
     tile = 0
     for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
-        b, hkv, item = _work_head(work, items_per_head, HKV)
+        b, hkv, item = walk.work_head(work, items_per_head, HKV)
+        q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
+            b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         for slot in range(NUM_SLOTS):
-            kv = sch.slot_kv_tile(item, slot, n_kv, CAUSAL, SCHEDULE)
+            kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
                 cols = kv * BLOCK_N + offs_n
                 dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=kv_layout)
                 dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=kv_layout)
                 mbarrier.wait(kv_ready, tile & 1)
-                n_steps = sch.visit_count(kv, n_q, CAUSAL) * NSUB
-                first = it
+                if VARLEN:
+                    if (kv * BLOCK_N < k_lo) | (kv * BLOCK_N + BLOCK_N > k_hi):
+                        _zero_outside(k_smem, k_lo - kv * BLOCK_N, k_hi - kv * BLOCK_N, num_warps)
+                        _zero_outside(v_smem, k_lo - kv * BLOCK_N, k_hi - kv * BLOCK_N, num_warps)
+                first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
+                                            WINDOW)
+                first_it = it
                 for g in range(GROUP):
-                    bh = b * HQ + hkv * GROUP + g
-                    for step in range(n_steps):
-                        s = it % STAGES
-                        q_s = q_bufs.index(s)
-                        do_s = do_bufs.index(s)
-                        mbarrier.wait(q_ready.index(s), (it // STAGES) & 1)
-                        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-                        s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
-                                            is_async=True)
-                        dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
-                                             is_async=True)
-                        if DK_IN_FLIGHT:
-                            # In flight: the previous step's dK, then S^T and dP^T. Waiting for S^T
-                            # also retires that dK, which frees the previous step's Q/dO stage.
-                            s_t, dk = warpgroup_mma_wait(1, deps=(s_t, dk))
-                            if it > first:
-                                mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
-                        else:
-                            s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-                        lse2 = lse_bufs.index(s).load(row_layout)
-                        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
-                        if CAUSAL:
-                            qt = sch.q_tile_at(step // NSUB, kv, n_q, n_kv, CAUSAL, SCHEDULE)
-                            rows = qt * BLOCK_N + (step % NSUB) * BLOCK_M + offs_m
-                            p_t = gl.where(gl.expand_dims(cols, 1) <= gl.expand_dims(rows, 0), p_t, 0.0)
-                        if not EVEN_S:
-                            p_t = gl.where(gl.expand_dims(cols, 1) < S, p_t, 0.0)
-                        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv,
-                                           is_async=True)
-                        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
-                        delta = delta_bufs.index(s).load(row_layout)
-                        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-                        if COMPUTE_DQ or DK_IN_FLIGHT:
-                            # dQ = dS K reads both warpgroups' keys of dS^T; dK taking dS^T from
-                            # shared memory (not registers) leaves ptxas the registers to keep dK
-                            # in flight into the next step.
-                            ds_smem.store(ds_t)
-                            fence_async_shared()
-                            _partition_barrier()
-                        if COMPUTE_DQ:  # dQ first, so that handing it to the writer overlaps dK
-                            dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=dq_layout)
-                            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False,
-                                               is_async=True)
-                        if DK_IN_FLIGHT:
-                            dk = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
-                        else:
-                            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
-                        if COMPUTE_DQ:
-                            dq, dv, dk = warpgroup_mma_wait(1, deps=(dq, dv, dk))
-                            d = it % DQ_STAGES
-                            mbarrier.wait(dq_empty.index(d), ((it // DQ_STAGES) & 1) ^ 1)
-                            dq_bufs.index(d).store(dq * sm_scale)
-                            mbarrier.arrive(dq_ready.index(d), count=1)
-                        else:
-                            dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
-                        if not DK_IN_FLIGHT:
-                            # dK from registers must retire within its step: left in flight, it
-                            # made ptxas serialize every wgmma (advisory C7512).
-                            dk = warpgroup_mma_wait(0, deps=(dk, ))
-                            mbarrier.arrive(q_empty.index(s), count=1)
-                        it += 1
+                    for step in range(count * NSUB):
+                        qt = walk.q_tile(step // NSUB, kv, first, count, tiles_q, tiles_kv, CAUSAL,
+                                         WINDOW, SCHEDULE)
+                        row0 = qt * BLOCK_N + (step % NSUB) * BLOCK_M
+                        if walk.has_rows(row0, BLOCK_M, q_lo, q_hi, VARLEN):
+                            dk, dv = _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem,
+                                           ds_smem, dq_bufs, q_ready, q_empty, dq_ready, dq_empty,
+                                           dk, dv, it, first_it, row0, cols, q_lo, q_hi, k_lo,
+                                           k_hi, S, win_left, win_right, qk_scale, sm_scale,
+                                           s_layout, a_layout, dq_layout, CAUSAL, WINDOW, VARLEN,
+                                           EVEN_S, COMPUTE_DQ, DK_IN_FLIGHT, num_warps)
+                            it += 1
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                if DK_IN_FLIGHT and it > first:
+                if DK_IN_FLIGHT and it > first_it:
                     mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
                 mbarrier.arrive(kv_empty, count=1)
                 tile += 1
                 keys = kv * BLOCK_N + offs_kn
-                in_keys = gl.expand_dims(keys < S, 1)
+                in_keys = gl.expand_dims((keys >= k_lo) & (keys < k_hi), 1)
+                packed_keys = gl.expand_dims(k_start + keys, 1).to(gl.int64)
                 dk_ptrs = (DK + b.to(gl.int64) * stride_dkb + hkv.to(gl.int64) * stride_dkh
-                           + gl.expand_dims(keys, 1) * stride_dkn + gl.expand_dims(offs_kd, 0))
+                           + packed_keys * stride_dkn + gl.expand_dims(offs_kd, 0))
                 dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hkv.to(gl.int64) * stride_dvh
-                           + gl.expand_dims(keys, 1) * stride_dvn + gl.expand_dims(offs_kd, 0))
+                           + packed_keys * stride_dvn + gl.expand_dims(offs_kd, 0))
                 gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=in_keys)
                 gl.store(dv_ptrs, dv.to(dtype), mask=in_keys)
 
 
 @gluon.jit
 def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQACC, TICKETS, ERR,
-                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                    HQ, HKV, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale, max_spin,
+                    CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                    stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
+                    win_right, items_per_head, total_items, qk_scale, sm_scale, max_spin,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, ORDERED: gl.constexpr,
-                    EVEN_S: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    EVEN_S: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
                     DK_IN_FLIGHT: gl.constexpr,
                     LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc."""
+    """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
+
+    Dense: descriptors over (B * heads, rows, D), row stats and DQACC over (B * Hq, row_stride).
+    VARLEN: descriptors over (heads, T, D) of the packed tensors, the stats, DQACC and TICKETS
+    over (Hq, row_stride), batch entry b is sequence b of the offsets CU_Q, CU_K (L, S: totals).
+    """
     dtype: gl.constexpr = q_desc.dtype
     HEAD_D: gl.constexpr = q_desc.block_type.shape[2]
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
@@ -324,16 +424,20 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, D
 
     gl.warp_specialize([
         (_compute_partition, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
-                              q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV,
-                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                              HQ, HKV, S, n_q, n_kv, items_per_head, total_items, qk_scale, sm_scale,
+                              q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, CU_Q,
+                              CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                              stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, win_left,
+                              win_right, items_per_head, total_items, qk_scale, sm_scale,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
-                              num_warps)),
+                              WINDOW, VARLEN, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                           HQ, HKV, n_q, n_kv, items_per_head, total_items,
-                           GROUP, CAUSAL, SCHEDULE, NUM_SLOTS)),
-        (_dq_partition, (dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR,
-                         HQ, HKV, n_q, n_kv, items_per_head, total_items, max_spin,
-                         GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ, ORDERED, WRITER_ROWS)),
+                           CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
+                           win_right, items_per_head, total_items,
+                           GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN)),
+        (_dq_partition, (dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
+                         HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
+                         items_per_head, total_items, max_spin,
+                         GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ, ORDERED, WRITER_ROWS,
+                         WINDOW, VARLEN)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

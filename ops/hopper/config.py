@@ -96,11 +96,13 @@ def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig) -> di
 
 
 def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
-                        cfg: HopperBackwardConfig) -> dict[str, object]:
+                        cfg: HopperBackwardConfig, window: bool = False,
+                        varlen: bool = False) -> dict[str, object]:
     """The kernel's compile-time arguments for one launch."""
     sched = get_schedule(schedule)
     return dict(GROUP=group, CAUSAL=causal, SCHEDULE=sched.id, NUM_SLOTS=sched.slots(causal),
                 COMPUTE_DQ=not sched.separate_dq, ORDERED=sched.ordered, EVEN_S=even_s,
+                WINDOW=window, VARLEN=varlen,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                 DQ_STAGES=cfg.dq_stages, WRITER_ROWS=cfg.writer_rows,
                 DK_IN_FLIGHT=cfg.dk_in_flight, LOAD_REGS=cfg.load_regs,

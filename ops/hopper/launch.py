@@ -10,6 +10,7 @@ value: the path, and so the bits, never depend on the memory layout or on the ba
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -127,56 +128,143 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     return Plan("forward", "hopper", kernel_reason, None, None, None, grid, cfg)
 
 
+def _fit(schedule: catalog.Schedule, causal: bool, window: tuple[int, int], n_kv: int,
+         capacity: int, shape: str) -> tuple[catalog.Schedule, str | None]:
+    """The schedule that runs, and why it is not the one asked (as the portable launcher)."""
+    if window != (-1, -1) and schedule.name == "shift":  # its ranks have no windowed form
+        fitted = catalog.get(catalog.fallback(causal))
+        return fitted, (f"schedule 'shift' has no sliding-window ranks; using {fitted.name!r} "
+                        f"(ordered, window-aware) instead")
+    return fit_schedule(schedule, causal, n_kv, capacity, shape)
+
+
+def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor, tickets: torch.Tensor,
+            packed: tuple | None, sizes: tuple[int, ...], schedule: catalog.Schedule,
+            cfg: HopperBackwardConfig, *, is_causal: bool, window: tuple[int, int], scale: float,
+            max_spin: int, even_s: bool) -> tuple[tuple[int], torch.Tensor]:
+    """One launch of the backward kernel over (B, H, N, D) ``views`` = (q, k, v, grad_out, dk,
+    dv); ``sizes`` = (batch entries, L, S, Q tiles, KV tiles, rows per head of the stats and the
+    dQ accumulator); return the grid and the error flag."""
+    q, k, v, grad_out, dk, dv = views
+    batch, seq_q, seq_k, n_q, n_kv, row_stride = sizes
+    hq, hkv = q.shape[1], k.shape[1]
+    per_head = schedule.items_per_head(n_kv, is_causal)
+    total_items = batch * hkv * per_head
+    grid = (min(total_items, _sm_count(q.device.index or 0)),)
+    cu_q, cu_k, max_q, max_k = packed or (tickets, tickets, 0, 0)
+    error_flag = torch.zeros((1,), device=q.device, dtype=torch.int32)
+    dk_batch, dv_batch = (0, 0) if packed else (dk.stride(0), dv.stride(0))
+    backward_kernel[grid](
+        _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+        _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
+        _row_descriptor(stats[1], cfg.block_m), dk, dv, dq_acc, tickets, error_flag, cu_q, cu_k,
+        dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2),
+        hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, *window, per_head,
+        total_items, scale * LOG2E, scale, max_spin,
+        **backward_constexprs(schedule.name, is_causal, hq // hkv, even_s, cfg,
+                              window != (-1, -1), packed is not None))
+    return grid, error_flag
+
+
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                        dv: torch.Tensor, *, is_causal: bool, scale: float,
                        schedule: catalog.Schedule, max_spin: int, schedule_requested: str | None = None,
                        kernel_reason: str | None = None,
-                       cfg: HopperBackwardConfig | None = None) -> Plan:
+                       cfg: HopperBackwardConfig | None = None,
+                       window: tuple[int, int] = (-1, -1)) -> Plan:
     """Write dq, dk, dv with the Hopper kernel; return what ran.
 
     The caller checked :func:`unsupported_reason`. One CTA per SM (its shared memory takes the
     SM), so a grid of at most the SM count is co-resident and the ordered waits cannot hang.
     """
+    window = tuple(window)
     batch, hq, seq_q, head_d = q.shape
-    hkv, seq_k = k.shape[1], k.shape[2]
+    seq_k = k.shape[2]
     cfg = cfg or backward_config(head_d, is_causal)
     n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
-    capacity = _sm_count(q.device.index or 0)
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
     requested = schedule
-    schedule, fallback = fit_schedule(schedule, is_causal, n_kv, capacity, shape)
+    schedule, fallback = _fit(schedule, is_causal, window, n_kv, _sm_count(q.device.index or 0),
+                              shape)
     # A model's (B, L, H, D) views, or the stride-0 gradient of out.sum(): same values, new layout.
     q, k, v, grad_out = (tma_readable(t) for t in (q, k, v, grad_out))
     delta = compute_delta(out, grad_out)
     stats = _row_stats(lse, delta, n_q * cfg.block_n)
-    per_head = schedule.items_per_head(n_kv, is_causal)
-    total_items = batch * hkv * per_head
-    grid = (min(total_items, capacity),)
-    nsub = cfg.block_n // cfg.block_m
     dq_acc = delta
     if not schedule.separate_dq:
         dq_acc = torch.zeros((batch * hq, n_q * cfg.block_n, head_d), device=q.device,
                              dtype=torch.float32)
-    tickets = torch.zeros((batch * hq * n_q * nsub,), device=q.device, dtype=torch.int32)
-    error_flag = torch.zeros((1,), device=q.device, dtype=torch.int32)
-    constexprs = backward_constexprs(schedule.name, is_causal, hq // hkv, seq_k % cfg.block_n == 0, cfg)
-    backward_kernel[grid](
-        _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
-        _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
-        _row_descriptor(stats[1], cfg.block_m), dk, dv, dq_acc, tickets, error_flag,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        hq, hkv, seq_k, n_q, n_kv, per_head, total_items, scale * LOG2E, scale, max_spin,
-        **constexprs)
+    tickets = torch.zeros((batch * hq * n_q * (cfg.block_n // cfg.block_m),), device=q.device,
+                          dtype=torch.int32)
+    grid, error_flag = _launch((q, k, v, grad_out, dk, dv), stats, dq_acc, tickets, None,
+                               (batch, seq_q, seq_k, n_q, n_kv, n_q * cfg.block_n), schedule, cfg,
+                               is_causal=is_causal, window=window, scale=scale, max_spin=max_spin,
+                               even_s=seq_k % cfg.block_n == 0)
     if is_causal and seq_k > n_q * cfg.block_n:
         dk[:, :, n_q * cfg.block_n:].zero_()
         dv[:, :, n_q * cfg.block_n:].zero_()
     if schedule.separate_dq:
         launch_dq_pass(q, k, v, grad_out, lse, delta, None, dq, is_causal=is_causal, scale=scale,
-                       cfg=portable_backward_config(head_d, q.dtype, is_causal, 9))
+                       cfg=portable_backward_config(head_d, q.dtype, is_causal, 9), window=window)
     else:
         dq.copy_(dq_acc.view(batch, hq, n_q * cfg.block_n, head_d)[:, :, :seq_q])
     if schedule.ordered:
         watch_spin_flag(error_flag, f"{shape}, schedule {schedule.name!r}")
     return Plan("backward", "hopper", kernel_reason, schedule_requested or requested.name,
                 schedule.name, fallback, grid, cfg)
+
+
+def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, packed: tuple, dq: torch.Tensor,
+                    dk: torch.Tensor, dv: torch.Tensor, *, is_causal: bool, scale: float,
+                    schedule: catalog.Schedule, max_spin: int, window: tuple[int, int],
+                    schedule_requested: str | None = None, kernel_reason: str | None = None,
+                    cfg: HopperBackwardConfig | None = None) -> Plan:
+    """The packed-sequence backward (``ops/packed.py``'s contract: (T, H, D) tensors, ``lse``
+    (Hq, Tq), ``dk`` and ``dv`` zeros, ``packed`` = (cu_seq_q, cu_seq_k, max_q, max_k) checked by
+    the caller) with the Hopper kernel, in one launch; return what ran."""
+    window = tuple(window)
+    cu_seq_q, cu_seq_k, max_q, max_k = packed
+    (tq, hq, head_d), tk = q.shape, k.shape[0]
+    num_seqs = cu_seq_q.numel() - 1
+    cfg = cfg or backward_config(head_d, is_causal)
+    aligned = is_causal or window != (-1, -1)
+    span_q, span_k = (max(max_q, max_k),) * 2 if aligned else (max_q, max_k)
+    n_q, n_kv = triton.cdiv(span_q, cfg.block_n), triton.cdiv(span_k, cfg.block_n)
+    shape = (f"packed q {tuple(q.shape)}, k {tuple(k.shape)}, {num_seqs} sequences, "
+             f"max_q={max_q}, max_k={max_k}, causal={is_causal}")
+    requested = schedule
+    schedule, fallback = _fit(schedule, is_causal, window, max(n_kv, 1),
+                              _sm_count(q.device.index or 0), shape)
+    plan = Plan("backward", "hopper", kernel_reason, schedule_requested or requested.name,
+                schedule.name, fallback, (), cfg)
+    if not (num_seqs and n_q and n_kv and tq and tk):  # no sequence has both queries and keys
+        dq.zero_()
+        return plan
+    heads_first = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, grad_out, out))
+    q4, k4, v4, do4, out4 = (tma_readable(t) for t in heads_first)
+    delta = compute_delta(out4, do4)
+    row_stride = triton.cdiv(tq, 4) * 4  # keeps the second row of the stats 16-byte aligned
+    stats = _row_stats(lse, delta, row_stride)
+    dq_acc = delta
+    if not schedule.separate_dq:
+        dq_acc = torch.zeros((hq, row_stride, head_d), device=q.device, dtype=torch.float32)
+    tickets = torch.zeros((hq * row_stride,), device=q.device, dtype=torch.int32)
+    dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
+    grid, error_flag = _launch((q4, k4, v4, do4, dk4, dv4), stats, dq_acc, tickets, packed,
+                               (num_seqs, tq, tk, n_q, n_kv, row_stride), schedule, cfg,
+                               is_causal=is_causal,
+                               window=window, scale=scale, max_spin=max_spin, even_s=False)
+    if schedule.separate_dq:
+        virtual = (t.transpose(0, 1).unsqueeze(0).expand(num_seqs, -1, -1, -1)
+                   for t in (q, k, v, grad_out, dq))
+        vq, vk, vv, vdo, vdq = virtual
+        launch_dq_pass(vq, vk, vv, vdo, lse, delta, None, vdq, is_causal=is_causal, scale=scale,
+                       cfg=portable_backward_config(head_d, q.dtype, is_causal, 9), window=window,
+                       packed=packed)
+    else:
+        dq.copy_(dq_acc[:, :tq].transpose(0, 1))
+    if schedule.ordered:
+        watch_spin_flag(error_flag, f"{shape}, schedule {schedule.name!r}")
+    return dataclasses.replace(plan, grid=grid)

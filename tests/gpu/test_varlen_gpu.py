@@ -157,6 +157,27 @@ def test_packing_invariance(packing, mask, schedule):
         q0, k0 = q0 + lq, k0 + lk
 
 
+@pytest.mark.parametrize("where", ["q", "k", "v", "do"])
+@pytest.mark.parametrize("schedule", ["shift", "descending", "recompute"])
+def test_a_nan_stays_in_its_sequence(schedule, where, cuda_path):
+    """A NaN in one sequence reaches that sequence's outputs and gradients only: sequences
+    boundaries that are not tile boundaries put neighbours' rows in one tile, which the kernels
+    must keep apart (the Hopper backward zeroes them in shared memory)."""
+    _packed_only(cuda_path)
+    lens = [1000, 700, 1300]
+    q, k, v, do = _inputs(lens, lens, seed=3)
+    clean = _ours(q, k, v, do, lens, lens, MASKS["causal"], schedule)
+    poisoned = dict(q=q, k=k, v=v, do=do)
+    poisoned[where] = poisoned[where].clone()
+    poisoned[where][1005, 0, 3] = float("nan")
+    dirty = _ours(*poisoned.values(), lens, lens, MASKS["causal"], schedule)
+    for rows in (slice(0, 1000), slice(1700, 3000)):
+        parts = zip(("out", "dq", "dk", "dv"), (clean[0], *clean[2:]), (dirty[0], *dirty[2:]))
+        for name, a, b in parts:
+            assert torch.equal(a[rows], b[rows]), f"{name} of a neighbour changed"
+    assert any(t[1000:1700].isnan().any() for t in (dirty[0], *dirty[2:]))
+
+
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
 def test_no_host_synchronisation(schedule, cuda_path):
     """Forward and backward on CUDA never wait for the GPU (the offsets stay on the device)."""

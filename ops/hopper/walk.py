@@ -1,0 +1,115 @@
+"""The Hopper backward's walk over its work, shared by the kernel's three partitions.
+
+Each partition (loader, compute, dQ writer) walks the same items, KV tiles and steps on its own, so
+all three must agree on every count and skip: they do, by calling these functions with the same
+arguments. The schedules' formulas are those of the portable kernel (``ops/schedules.py``), and so
+are the geometry of packed sequences and windows (``ops/backward.py``; ``ops/tiles.py``):
+
+- a work item of sequence ``b`` (VARLEN: the virtual batch of ``ops/packed.py``) counts its tiles
+  from that sequence's bounds; causal and windows are aligned bottom-right by shifting the tile
+  coordinates (``tiles.diagonal_origin``), so rows ``[q_lo, q_hi)`` and keys ``[k_lo, k_hi)`` are
+  real and everything outside is padding (dense: ``q_lo = k_lo = 0``, ``q_hi = L``, ``k_hi = S``);
+- a window limits each KV tile to a contiguous range of Q tiles and ranks contributions in
+  ascending KV order (``schedules.window_*``).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .. import schedules as sch
+from ..tiles import diagonal_origin, sequence_bounds
+
+
+@gluon.jit
+def work_head(work, items_per_head, HKV):
+    """(batch or sequence, KV head, item) of a work item, heads major."""
+    head = work // items_per_head
+    return head // HKV, head % HKV, work % items_per_head
+
+
+@gluon.jit
+def sequence_tiles(b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N: gl.constexpr,
+                   ALIGNED: gl.constexpr, VARLEN: gl.constexpr):
+    """(q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles of Q, tiles of KV) of batch entry ``b``.
+
+    Tile row ``r`` is packed row ``q_start + r`` and tile key ``c`` packed key ``k_start + c``
+    (VARLEN; dense: 0). A sequence without queries or keys has no tiles.
+    """
+    if VARLEN:
+        q0, seq_l, k0, seq_s = sequence_bounds(CU_Q, CU_K, b, L, S, max_q, max_k)
+        q_lo, k_lo = diagonal_origin(seq_l, seq_s, ALIGNED)
+        q_hi = q_lo + seq_l
+        k_hi = k_lo + seq_s
+        some = (seq_l > 0) & (seq_s > 0)
+        tiles_q = (q_hi + BLOCK_N - 1) // BLOCK_N
+        tiles_kv = (k_hi + BLOCK_N - 1) // BLOCK_N
+        result = (q0 - q_lo, k0 - k_lo, q_lo, q_hi, k_lo, k_hi, tiles_q * some, tiles_kv * some)
+    else:
+        result = (0 * b, 0 * b, 0 * b, L + 0 * b, 0 * b, S + 0 * b, n_q + 0 * b, n_kv + 0 * b)
+    return result
+
+
+@gluon.jit
+def slot_tile(item, slot, tiles_kv, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr):
+    """The KV tile of ``slot`` of ``item`` in a sequence of ``tiles_kv`` KV tiles; -1: none."""
+    kv = sch.slot_kv_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
+    live = item < sch.items_in_head(tiles_kv, CAUSAL, SCHEDULE)
+    return gl.where(live, kv, -1)
+
+
+@gluon.jit
+def q_range(kv, tiles_q, BLOCK_N: gl.constexpr, win_left, win_right, CAUSAL: gl.constexpr,
+            WINDOW: gl.constexpr):
+    """(first Q tile, count) of the Q tiles KV tile ``kv`` meets (first is 0 without a window)."""
+    if WINDOW:
+        first, count = sch.window_q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL)
+    else:
+        first = 0 * kv
+        count = sch.visit_count(kv, tiles_q, CAUSAL)
+    return first, count
+
+
+@gluon.jit
+def q_tile(visit, kv, first, count, tiles_q, tiles_kv, CAUSAL: gl.constexpr,
+           WINDOW: gl.constexpr, SCHEDULE: gl.constexpr):
+    """The Q tile that KV tile ``kv`` visits at its ``visit``-th visit."""
+    if WINDOW:
+        qt = sch.window_q_tile_at(visit, first, count, SCHEDULE)
+    else:
+        qt = sch.q_tile_at(visit, kv, tiles_q, tiles_kv, CAUSAL, SCHEDULE)
+    return qt
+
+
+@gluon.jit
+def rank(qt, kv, tiles_q, tiles_kv, BLOCK_N: gl.constexpr, win_left, CAUSAL: gl.constexpr,
+         WINDOW: gl.constexpr, SCHEDULE: gl.constexpr):
+    """The position of KV tile ``kv``'s dQ contribution in Q tile ``qt``'s reduction order."""
+    if WINDOW:
+        r = sch.window_rank(qt, kv, BLOCK_N, win_left)
+    else:
+        r = sch.reduction_rank(qt, kv, tiles_q, tiles_kv, CAUSAL, SCHEDULE)
+    return r
+
+
+@gluon.jit
+def head_rows(b, hq, HQ, q_start, row_stride, VARLEN: gl.constexpr):
+    """(the head index of Q, dO in their TMA descriptors, the row of tile row 0 in the row stats,
+    the dQ accumulator and, packed, the tickets) for query head ``hq`` of batch entry ``b``."""
+    if VARLEN:  # descriptors over (Hq, T, D); stats and accumulator (Hq, row_stride)
+        result = (hq, hq * row_stride + q_start)
+    else:  # descriptors over (B * Hq, L, D); stats and accumulator (B * Hq, row_stride)
+        result = (b * HQ + hq, (b * HQ + hq) * row_stride)
+    return result
+
+
+@gluon.jit
+def has_rows(row0, BLOCK_M: gl.constexpr, q_lo, q_hi, VARLEN: gl.constexpr):
+    """Whether the sub-tile of rows [row0, row0 + BLOCK_M) holds a real row: a packed sequence's
+    first and last tiles may have sub-tiles of padding only, which every partition skips."""
+    if VARLEN:
+        live = (row0 + BLOCK_M > q_lo) & (row0 < q_hi)
+    else:
+        live = row0 >= 0
+    return live
