@@ -20,9 +20,11 @@ dS^T goes through shared memory once to feed dQ = dS K.
 WINDOW (a sliding window) and VARLEN (packed sequences, ``ops/packed.py``'s virtual batch) walk
 the tiles as the portable kernel does (``walk.py``). A packed sequence's TMA boxes may reach into
 its neighbours (or past the tensor, where TMA reads zeros): the compute warps zero such rows of a
-boundary tile in shared memory before any MMA reads it, mask P and delta to the sequence, and the
-writer adds only the sequence's rows, so no value of a neighbour (not even a NaN) reaches a
-sequence's gradients, and its bits do not depend on what is packed beside it.
+boundary tile in shared memory before any MMA reads it and mask P to the sequence, the load warp
+brings the row stats of the sequence's rows only (by plain loads: a 1-D TMA box must start
+16-byte aligned, a sequence anywhere), and the writer adds only the sequence's rows, so no value
+of a neighbour (not even a NaN) reaches a sequence's gradients, and its bits do not depend on
+what is packed beside it.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def _zero_outside(buf, lo, hi, num_warps: gl.constexpr):
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                    CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
+                    LSE_ROWS, DELTA_ROWS, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
                     win_right, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
@@ -92,8 +94,13 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     NSUB: gl.constexpr = BLOCK_N // BLOCK_M
     HEAD_D: gl.constexpr = k_smem.shape[1]
-    step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                                + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+    if VARLEN:  # the row stats come by plain loads (below)
+        step_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    else:
+        step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                    + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+    stats_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    offs_stats = gl.arange(0, BLOCK_M, layout=stats_layout)
     tile_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     it = 0
     tile = 0
@@ -123,6 +130,18 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                         if walk.has_rows(row0, BLOCK_M, q_lo, q_hi, VARLEN):
                             s = it % STAGES
                             mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
+                            if VARLEN:
+                                # A TMA box of the 1-D stats must start 16-byte aligned, and a
+                                # sequence's rows start anywhere: plain loads, of its rows only
+                                # (logsumexp +inf and delta 0 elsewhere, so P and dS are 0 there),
+                                # stored before the barrier's arrival publishes them.
+                                rows = row0 + offs_stats
+                                real = (rows >= q_lo) & (rows < q_hi)
+                                lse_bufs.index(s).store(gl.load(LSE_ROWS + row_base + rows,
+                                                                mask=real, other=float("inf")))
+                                delta_bufs.index(s).store(gl.load(DELTA_ROWS + row_base + rows,
+                                                                  mask=real, other=0.0))
+                                _partition_barrier()
                             bar = q_ready.index(s)
                             mbarrier.expect(bar, step_bytes)
                             packed_row = q_start + row0
@@ -130,8 +149,9 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                                       q_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
                             _tma_load(do_desc, [q_head, packed_row, 0], bar,
                                       do_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
-                            _tma_load(lse_desc, [row_base + row0], bar, lse_bufs.index(s))
-                            _tma_load(delta_desc, [row_base + row0], bar, delta_bufs.index(s))
+                            if not VARLEN:
+                                _tma_load(lse_desc, [row_base + row0], bar, lse_bufs.index(s))
+                                _tma_load(delta_desc, [row_base + row0], bar, delta_bufs.index(s))
                             it += 1
 
 
@@ -263,8 +283,6 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
     dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
     delta = delta_bufs.index(s).load(row_layout)
-    if VARLEN:  # a neighbour's delta may be anything, even NaN
-        delta = gl.where((rows >= q_lo) & (rows < q_hi), delta, 0.0)
     ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
     if COMPUTE_DQ or DK_IN_FLIGHT:
         # dQ = dS K reads both warpgroups' keys of dS^T; dK taking dS^T from shared memory (not
@@ -373,7 +391,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
 
 @gluon.jit
 def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQACC, TICKETS, ERR,
-                    CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                    LSE_ROWS, DELTA_ROWS, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                     stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
                     win_right, items_per_head, total_items, qk_scale, sm_scale, max_spin,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
@@ -432,7 +450,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, D
                               WINDOW, VARLEN, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                           CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
+                           LSE_ROWS, DELTA_ROWS, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
                            win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN)),
         (_dq_partition, (dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,

@@ -157,7 +157,8 @@ def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor, tickets: to
     backward_kernel[grid](
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
         _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
-        _row_descriptor(stats[1], cfg.block_m), dk, dv, dq_acc, tickets, error_flag, cu_q, cu_k,
+        _row_descriptor(stats[1], cfg.block_m), dk, dv, dq_acc, tickets, error_flag, stats[0],
+        stats[1], cu_q, cu_k,
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2),
         hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, *window, per_head,
         total_items, scale * LOG2E, scale, max_spin,
