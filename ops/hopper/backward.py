@@ -20,9 +20,9 @@ dS^T goes through shared memory once to feed dQ = dS K.
 WINDOW (a sliding window) and VARLEN (packed sequences, ``ops/packed.py``'s virtual batch) walk
 the tiles as the portable kernel does (``walk.py``). A packed sequence's TMA boxes may reach into
 its neighbours (or past the tensor, where TMA reads zeros): the compute warps zero such rows of a
-boundary tile in shared memory before any MMA reads it and mask P to the sequence, the load warp
-brings the row stats of the sequence's rows only (by plain loads: a 1-D TMA box must start
-16-byte aligned, a sequence anywhere), and the writer adds only the sequence's rows, so no value
+boundary tile in shared memory before any MMA reads it, read the row stats of the sequence's rows
+only (by plain loads: a 1-D TMA box must start 16-byte aligned, a sequence anywhere) and mask P
+to the sequence, and the writer adds only the sequence's rows, so no value
 of a neighbour (not even a NaN) reaches a sequence's gradients, and its bits do not depend on
 what is packed beside it.
 """
@@ -85,7 +85,7 @@ def _zero_outside(buf, lo, hi, num_warps: gl.constexpr):
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                    LSE_ROWS, DELTA_ROWS, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
+                    CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
                     win_right, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
@@ -94,13 +94,11 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     NSUB: gl.constexpr = BLOCK_N // BLOCK_M
     HEAD_D: gl.constexpr = k_smem.shape[1]
-    if VARLEN:  # the row stats come by plain loads (below)
+    if VARLEN:  # the compute warps load the row stats (see _step)
         step_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
     else:
         step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                     + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-    stats_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    offs_stats = gl.arange(0, BLOCK_M, layout=stats_layout)
     tile_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     it = 0
     tile = 0
@@ -130,18 +128,6 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                         if walk.has_rows(row0, BLOCK_M, q_lo, q_hi, VARLEN):
                             s = it % STAGES
                             mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
-                            if VARLEN:
-                                # A TMA box of the 1-D stats must start 16-byte aligned, and a
-                                # sequence's rows start anywhere: plain loads, of its rows only
-                                # (logsumexp +inf and delta 0 elsewhere, so P and dS are 0 there),
-                                # stored before the barrier's arrival publishes them.
-                                rows = row0 + offs_stats
-                                real = (rows >= q_lo) & (rows < q_hi)
-                                lse_bufs.index(s).store(gl.load(LSE_ROWS + row_base + rows,
-                                                                mask=real, other=float("inf")))
-                                delta_bufs.index(s).store(gl.load(DELTA_ROWS + row_base + rows,
-                                                                  mask=real, other=0.0))
-                                _partition_barrier()
                             bar = q_ready.index(s)
                             mbarrier.expect(bar, step_bytes)
                             packed_row = q_start + row0
@@ -232,12 +218,13 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
 @gluon.jit
 def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs, q_ready,
           q_empty, dq_ready, dq_empty, dk, dv, it, first_it, row0, cols, q_lo, q_hi, k_lo, k_hi,
-          S, win_left, win_right, qk_scale, sm_scale, s_layout: gl.constexpr,
+          S, lse_row0, delta_row0, win_left, win_right, qk_scale, sm_scale, s_layout: gl.constexpr,
           a_layout: gl.constexpr, dq_layout: gl.constexpr, CAUSAL: gl.constexpr,
           WINDOW: gl.constexpr, VARLEN: gl.constexpr, EVEN_S: gl.constexpr,
           COMPUTE_DQ: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, num_warps: gl.constexpr):
     """One step of a KV tile: S^T, P^T, dP^T, dS^T for the Q sub-tile of rows [row0, row0 +
-    BLOCK_M) in stage ``it``; dV and dK accumulate (returned), the dQ partial goes to the writer."""
+    BLOCK_M) in stage ``it``; dV and dK accumulate (returned), the dQ partial goes to the writer.
+    ``lse_row0`` and ``delta_row0`` point at tile row 0's stats (read here when VARLEN)."""
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -257,6 +244,11 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if VARLEN:
+        # A 1-D TMA box must start 16-byte aligned and a sequence starts anywhere: plain loads of
+        # the sequence's rows (logsumexp +inf and delta 0 elsewhere); this one while S^T computes.
+        real_rows = (rows >= q_lo) & (rows < q_hi)
+        lse2 = gl.load(lse_row0 + rows, mask=real_rows, other=float("inf"))
     if DK_IN_FLIGHT:
         # In flight: the previous step's dK, then S^T and dP^T. Waiting for S^T also retires
         # that dK, which frees the previous step's Q/dO stage.
@@ -265,7 +257,8 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
             mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
     else:
         s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-    lse2 = lse_bufs.index(s).load(row_layout)
+    if not VARLEN:  # the load warp brought them by TMA
+        lse2 = lse_bufs.index(s).load(row_layout)
     p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
     keys = gl.expand_dims(cols, 1)
     queries = gl.expand_dims(rows, 0)
@@ -281,8 +274,11 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     elif not EVEN_S:
         p_t = gl.where(keys < S, p_t, 0.0)
     dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
+    if VARLEN:  # issued while dP^T computes
+        delta = gl.load(delta_row0 + rows, mask=real_rows, other=0.0)
     dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
-    delta = delta_bufs.index(s).load(row_layout)
+    if not VARLEN:
+        delta = delta_bufs.index(s).load(row_layout)
     ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
     if COMPUTE_DQ or DK_IN_FLIGHT:
         # dQ = dS K reads both warpgroups' keys of dS^T; dK taking dS^T from shared memory (not
@@ -315,9 +311,10 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
 
 @gluon.jit
 def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
-                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, CU_Q, CU_K,
+                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, LSE_ROWS,
+                       DELTA_ROWS, CU_Q, CU_K,
                        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                       HQ, HKV, L, S, n_q, n_kv, max_q, max_k, win_left, win_right,
+                       HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
                        items_per_head, total_items, qk_scale, sm_scale,
                        GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                        NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, EVEN_S: gl.constexpr,
@@ -361,6 +358,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                                             WINDOW)
                 first_it = it
                 for g in range(GROUP):
+                    q_head, row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride,
+                                                      VARLEN)
                     for step in range(count * NSUB):
                         qt = walk.q_tile(step // NSUB, kv, first, count, tiles_q, tiles_kv, CAUSAL,
                                          WINDOW, SCHEDULE)
@@ -369,7 +368,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                             dk, dv = _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem,
                                            ds_smem, dq_bufs, q_ready, q_empty, dq_ready, dq_empty,
                                            dk, dv, it, first_it, row0, cols, q_lo, q_hi, k_lo,
-                                           k_hi, S, win_left, win_right, qk_scale, sm_scale,
+                                           k_hi, S, LSE_ROWS + row_base, DELTA_ROWS + row_base,
+                                           win_left, win_right, qk_scale, sm_scale,
                                            s_layout, a_layout, dq_layout, CAUSAL, WINDOW, VARLEN,
                                            EVEN_S, COMPUTE_DQ, DK_IN_FLIGHT, num_warps)
                             it += 1
@@ -442,15 +442,16 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, D
 
     gl.warp_specialize([
         (_compute_partition, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
-                              q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, CU_Q,
-                              CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
-                              stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, win_left,
+                              q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV,
+                              LSE_ROWS, DELTA_ROWS, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn,
+                              stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q,
+                              max_k, row_stride, win_left,
                               win_right, items_per_head, total_items, qk_scale, sm_scale,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                           LSE_ROWS, DELTA_ROWS, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
+                           CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
                            win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN)),
         (_dq_partition, (dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
