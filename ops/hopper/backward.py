@@ -20,9 +20,8 @@ dS^T goes through shared memory once to feed dQ = dS K.
 WINDOW (a sliding window) and VARLEN (packed sequences, ``ops/packed.py``'s virtual batch) walk
 the tiles as the portable kernel does (``walk.py``). A packed sequence's TMA boxes may reach into
 its neighbours (or past the tensor, where TMA reads zeros): the compute warps zero such rows of a
-boundary tile in shared memory before any MMA reads it, read the row stats of the sequence's rows
-only (by plain loads: a 1-D TMA box must start 16-byte aligned, a sequence anywhere) and mask P
-to the sequence, and the writer adds only the sequence's rows, so no value
+boundary tile in shared memory before any MMA reads it and mask P and delta to the sequence, and
+the writer adds only the sequence's rows, so no value
 of a neighbour (not even a NaN) reaches a sequence's gradients, and its bits do not depend on
 what is packed beside it.
 """
@@ -85,8 +84,8 @@ def _zero_outside(buf, lo, hi, num_warps: gl.constexpr):
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                    CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
-                    win_right, items_per_head, total_items,
+                    STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride,
+                    win_left, win_right, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
@@ -94,11 +93,8 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     NSUB: gl.constexpr = BLOCK_N // BLOCK_M
     HEAD_D: gl.constexpr = k_smem.shape[1]
-    if VARLEN:  # the compute warps load the row stats (see _step)
-        step_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-    else:
-        step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                                    + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+    step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
     tile_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     it = 0
     tile = 0
@@ -107,6 +103,7 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         kv_head = hkv if VARLEN else b * HKV + hkv
+        stats_shift = walk.stats_shift(b, q_start, q_lo, STATS_START, VARLEN)
         for slot in range(NUM_SLOTS):
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
@@ -135,9 +132,9 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                                       q_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
                             _tma_load(do_desc, [q_head, packed_row, 0], bar,
                                       do_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
-                            if not VARLEN:
-                                _tma_load(lse_desc, [row_base + row0], bar, lse_bufs.index(s))
-                                _tma_load(delta_desc, [row_base + row0], bar, delta_bufs.index(s))
+                            stats_row = row_base + stats_shift + row0
+                            _tma_load(lse_desc, [stats_row], bar, lse_bufs.index(s))
+                            _tma_load(delta_desc, [stats_row], bar, delta_bufs.index(s))
                             it += 1
 
 
@@ -218,13 +215,12 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
 @gluon.jit
 def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs, q_ready,
           q_empty, dq_ready, dq_empty, dk, dv, it, first_it, row0, cols, q_lo, q_hi, k_lo, k_hi,
-          S, lse_row0, delta_row0, win_left, win_right, qk_scale, sm_scale, s_layout: gl.constexpr,
+          S, win_left, win_right, qk_scale, sm_scale, s_layout: gl.constexpr,
           a_layout: gl.constexpr, dq_layout: gl.constexpr, CAUSAL: gl.constexpr,
           WINDOW: gl.constexpr, VARLEN: gl.constexpr, EVEN_S: gl.constexpr,
           COMPUTE_DQ: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, num_warps: gl.constexpr):
     """One step of a KV tile: S^T, P^T, dP^T, dS^T for the Q sub-tile of rows [row0, row0 +
-    BLOCK_M) in stage ``it``; dV and dK accumulate (returned), the dQ partial goes to the writer.
-    ``lse_row0`` and ``delta_row0`` point at tile row 0's stats (read here when VARLEN)."""
+    BLOCK_M) in stage ``it``; dV and dK accumulate (returned), the dQ partial goes to the writer."""
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -244,11 +240,6 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if VARLEN:
-        # A 1-D TMA box must start 16-byte aligned and a sequence starts anywhere: plain loads of
-        # the sequence's rows (logsumexp +inf and delta 0 elsewhere); this one while S^T computes.
-        real_rows = (rows >= q_lo) & (rows < q_hi)
-        lse2 = gl.load(lse_row0 + rows, mask=real_rows, other=float("inf"))
     if DK_IN_FLIGHT:
         # In flight: the previous step's dK, then S^T and dP^T. Waiting for S^T also retires
         # that dK, which frees the previous step's Q/dO stage.
@@ -257,8 +248,7 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
             mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
     else:
         s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-    if not VARLEN:  # the load warp brought them by TMA
-        lse2 = lse_bufs.index(s).load(row_layout)
+    lse2 = lse_bufs.index(s).load(row_layout)
     p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
     keys = gl.expand_dims(cols, 1)
     queries = gl.expand_dims(rows, 0)
@@ -274,11 +264,10 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     elif not EVEN_S:
         p_t = gl.where(keys < S, p_t, 0.0)
     dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
-    if VARLEN:  # issued while dP^T computes
-        delta = gl.load(delta_row0 + rows, mask=real_rows, other=0.0)
     dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
-    if not VARLEN:
-        delta = delta_bufs.index(s).load(row_layout)
+    delta = delta_bufs.index(s).load(row_layout)
+    if VARLEN:  # the box's rows of a neighbour (P is 0 there) may hold anything, even NaN
+        delta = gl.where((rows >= q_lo) & (rows < q_hi), delta, 0.0)
     ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
     if COMPUTE_DQ or DK_IN_FLIGHT:
         # dQ = dS K reads both warpgroups' keys of dS^T; dK taking dS^T from shared memory (not
@@ -311,10 +300,9 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
 
 @gluon.jit
 def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
-                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, LSE_ROWS,
-                       DELTA_ROWS, CU_Q, CU_K,
+                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, CU_Q, CU_K,
                        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                       HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
+                       HQ, HKV, L, S, n_q, n_kv, max_q, max_k, win_left, win_right,
                        items_per_head, total_items, qk_scale, sm_scale,
                        GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                        NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, EVEN_S: gl.constexpr,
@@ -358,8 +346,6 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                                             WINDOW)
                 first_it = it
                 for g in range(GROUP):
-                    q_head, row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride,
-                                                      VARLEN)
                     for step in range(count * NSUB):
                         qt = walk.q_tile(step // NSUB, kv, first, count, tiles_q, tiles_kv, CAUSAL,
                                          WINDOW, SCHEDULE)
@@ -368,8 +354,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                             dk, dv = _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem,
                                            ds_smem, dq_bufs, q_ready, q_empty, dq_ready, dq_empty,
                                            dk, dv, it, first_it, row0, cols, q_lo, q_hi, k_lo,
-                                           k_hi, S, LSE_ROWS + row_base, DELTA_ROWS + row_base,
-                                           win_left, win_right, qk_scale, sm_scale,
+                                           k_hi, S, win_left, win_right, qk_scale, sm_scale,
                                            s_layout, a_layout, dq_layout, CAUSAL, WINDOW, VARLEN,
                                            EVEN_S, COMPUTE_DQ, DK_IN_FLIGHT, num_warps)
                             it += 1
@@ -391,7 +376,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
 
 @gluon.jit
 def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQACC, TICKETS, ERR,
-                    LSE_ROWS, DELTA_ROWS, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                    STATS_START, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                     stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
                     win_right, items_per_head, total_items, qk_scale, sm_scale, max_spin,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
@@ -404,8 +389,9 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, D
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
     Dense: descriptors over (B * heads, rows, D), row stats and DQACC over (B * Hq, row_stride).
-    VARLEN: descriptors over (heads, T, D) of the packed tensors, the stats, DQACC and TICKETS
-    over (Hq, row_stride), batch entry b is sequence b of the offsets CU_Q, CU_K (L, S: totals).
+    VARLEN: descriptors over (heads, T, D) of the packed tensors, DQACC and TICKETS over
+    (Hq, row_stride) by packed row, the stats over (Hq, row_stride) with sequence b's rows from
+    STATS_START[b]; batch entry b is sequence b of the offsets CU_Q, CU_K (L, S: totals).
     """
     dtype: gl.constexpr = q_desc.dtype
     HEAD_D: gl.constexpr = q_desc.block_type.shape[2]
@@ -443,16 +429,15 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, D
     gl.warp_specialize([
         (_compute_partition, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                               q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV,
-                              LSE_ROWS, DELTA_ROWS, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn,
-                              stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q,
-                              max_k, row_stride, win_left,
-                              win_right, items_per_head, total_items, qk_scale, sm_scale,
+                              CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+                              stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+                              win_left, win_right, items_per_head, total_items, qk_scale, sm_scale,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                           CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
-                           win_right, items_per_head, total_items,
+                           STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+                           row_stride, win_left, win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN)),
         (_dq_partition, (dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
                          HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,

@@ -92,6 +92,34 @@ def _row_stats(lse: torch.Tensor, delta: torch.Tensor, rows: int) -> torch.Tenso
     return stats.view(2, heads * rows)
 
 
+def packed_row_stats(lse: torch.Tensor, delta: torch.Tensor, cu_seq_q: torch.Tensor,
+                     cu_seq_k: torch.Tensor, aligned: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(stats (2, Hq * row_stride), each sequence's first row in them, row_stride) of packed
+    sequences, as :func:`_row_stats`, laid out so that every TMA box of the row stats starts
+    16-byte aligned: the kernel's boxes start at ``q_lo`` rows before a sequence (its diagonal
+    shift, ``tiles.diagonal_origin``) plus multiples of 64, so sequence i's rows start at
+    ``start[i]`` = q_lo (mod 4), each in its own gap-padded segment. Built on the device: the
+    host reads no offset."""
+    heads, total = delta.shape
+    num_seqs = cu_seq_q.numel() - 1
+    lens_q = (cu_seq_q[1:] - cu_seq_q[:-1]).long()
+    q_lo = (cu_seq_k[1:] - cu_seq_k[:-1] - lens_q).clamp(min=0) if aligned else 0 * lens_q
+    segment = (lens_q + 3) // 4 * 4 + 4  # the sequence, and room to shift it by q_lo % 4
+    start = torch.cumsum(segment, 0) - segment + q_lo % 4
+    row_stride = triton.cdiv(total + 7 * num_seqs, 4) * 4
+    rows = torch.arange(total, device=delta.device)
+    seq = torch.searchsorted(cu_seq_q[1:].long(), rows, right=True).clamp(max=max(num_seqs - 1, 0))
+    # Broken offsets (reported by the device check) must not index outside the buffer meanwhile.
+    where = (start[seq] + rows - cu_seq_q[:-1].long()[seq]).clamp(0, row_stride - 1)
+    stats = torch.empty((2, heads, row_stride), device=delta.device, dtype=torch.float32)
+    stats[0].fill_(float("inf"))
+    stats[1].zero_()
+    lse2 = lse.reshape(heads, total) * LOG2E
+    stats[0].index_copy_(1, where, lse2.masked_fill_(lse2 == float("-inf"), float("inf")))
+    stats[1].index_copy_(1, where, delta)
+    return stats.view(2, heads * row_stride), start.to(torch.int32), row_stride
+
+
 def _row_descriptor(row: torch.Tensor, block: int) -> TensorDescriptor:
     """A rank-1 TMA descriptor over one row of :func:`_row_stats`, for ``block``-element boxes."""
     layout = gl.NVMMASharedLayout.get_default_for([block], gl.float32)
@@ -138,8 +166,8 @@ def _fit(schedule: catalog.Schedule, causal: bool, window: tuple[int, int], n_kv
     return fit_schedule(schedule, causal, n_kv, capacity, shape)
 
 
-def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor, tickets: torch.Tensor,
-            packed: tuple | None, sizes: tuple[int, ...], schedule: catalog.Schedule,
+def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor, dq_acc: torch.Tensor,
+            tickets: torch.Tensor, packed: tuple | None, sizes: tuple[int, ...], schedule: catalog.Schedule,
             cfg: HopperBackwardConfig, *, is_causal: bool, window: tuple[int, int], scale: float,
             max_spin: int, even_s: bool) -> tuple[tuple[int], torch.Tensor]:
     """One launch of the backward kernel over (B, H, N, D) ``views`` = (q, k, v, grad_out, dk,
@@ -157,8 +185,8 @@ def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor, tickets: to
     backward_kernel[grid](
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
         _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
-        _row_descriptor(stats[1], cfg.block_m), dk, dv, dq_acc, tickets, error_flag, stats[0],
-        stats[1], cu_q, cu_k,
+        _row_descriptor(stats[1], cfg.block_m), dk, dv, dq_acc, tickets, error_flag, stats_start,
+        cu_q, cu_k,
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2),
         hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, *window, per_head,
         total_items, scale * LOG2E, scale, max_spin,
@@ -198,7 +226,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              dtype=torch.float32)
     tickets = torch.zeros((batch * hq * n_q * (cfg.block_n // cfg.block_m),), device=q.device,
                           dtype=torch.int32)
-    grid, error_flag = _launch((q, k, v, grad_out, dk, dv), stats, dq_acc, tickets, None,
+    grid, error_flag = _launch((q, k, v, grad_out, dk, dv), stats, tickets, dq_acc, tickets, None,
                                (batch, seq_q, seq_k, n_q, n_kv, n_q * cfg.block_n), schedule, cfg,
                                is_causal=is_causal, window=window, scale=scale, max_spin=max_spin,
                                even_s=seq_k % cfg.block_n == 0)
@@ -246,14 +274,14 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     heads_first = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, grad_out, out))
     q4, k4, v4, do4, out4 = (tma_readable(t) for t in heads_first)
     delta = compute_delta(out4, do4)
-    row_stride = triton.cdiv(tq, 4) * 4  # keeps the second row of the stats 16-byte aligned
-    stats = _row_stats(lse, delta, row_stride)
+    stats, stats_start, row_stride = packed_row_stats(lse, delta, cu_seq_q, cu_seq_k, aligned)
     dq_acc = delta
     if not schedule.separate_dq:
         dq_acc = torch.zeros((hq, row_stride, head_d), device=q.device, dtype=torch.float32)
     tickets = torch.zeros((hq * row_stride,), device=q.device, dtype=torch.int32)
     dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
-    grid, error_flag = _launch((q4, k4, v4, do4, dk4, dv4), stats, dq_acc, tickets, packed,
+    grid, error_flag = _launch((q4, k4, v4, do4, dk4, dv4), stats, stats_start, dq_acc, tickets,
+                               packed,
                                (num_seqs, tq, tk, n_q, n_kv, row_stride), schedule, cfg,
                                is_causal=is_causal,
                                window=window, scale=scale, max_spin=max_spin, even_s=False)

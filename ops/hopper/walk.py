@@ -105,6 +105,18 @@ def head_rows(b, hq, HQ, q_start, row_stride, VARLEN: gl.constexpr):
 
 
 @gluon.jit
+def stats_shift(b, q_start, q_lo, STATS_START, VARLEN: gl.constexpr):
+    """What to add to ``head_rows``' row for the row stats' TMA box. A 1-D box must start 16-byte
+    aligned and a packed sequence starts anywhere, so packed stats are laid out with each sequence
+    at ``STATS_START[b]``, congruent to its q_lo modulo 4 (``launch.packed_row_stats``)."""
+    if VARLEN:
+        shift = gl.load(STATS_START + b) - q_lo - q_start
+    else:
+        shift = 0 * b
+    return shift
+
+
+@gluon.jit
 def has_rows(row0, BLOCK_M: gl.constexpr, q_lo, q_hi, VARLEN: gl.constexpr):
     """Whether the sub-tile of rows [row0, row0 + BLOCK_M) holds a real row: a packed sequence's
     first and last tiles may have sub-tiles of padding only, which every partition skips."""
