@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .backward import choose_path, resolve_schedule, compute_delta, launch_main
-from .catalog import KERNELS
+from .catalog import AUTO, KERNELS
 from .configs import arch_key, backward_config, forward_config, head_dim_bucket
 from .dispatch import HOPPER, PORTABLE
 from .dq_pass import launch_dq_pass
@@ -153,7 +153,10 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if kernel not in KERNELS:
         raise ValueError(f"dash.varlen_attention: kernel must be one of {list(KERNELS)}, got "
                          f"{kernel!r}")
-    path, reason, requested = choose_path(kernel, schedule, requested, q, k, v, None, is_causal,
+    # "auto" keeps the portable rule's schedule (recompute) here: on packed documents it beat
+    # every schedule of the Hopper kernel (H100, bench/packed_paths.py, docs/benchmarks.md).
+    named = requested.name if schedule == AUTO else schedule
+    path, reason, requested = choose_path(kernel, named, requested, q, k, v, None, is_causal,
                                           window)
     _check_on_device(cu_seq_q, cu_seq_k, (tq, tk), (max_q, max_k))
     if path == HOPPER:

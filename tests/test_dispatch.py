@@ -87,3 +87,30 @@ def test_hopper_reads_any_layout_through_a_copy_with_the_same_values(batch):
         batch, 4, 32, 64)
     assert tma_readable(misaligned) is not misaligned
     assert torch.equal(tma_readable(misaligned), misaligned)
+
+
+def test_packed_auto_stays_portable_and_named_ordered_schedules_take_hopper(hopper_takes_it,
+                                                                            monkeypatch):
+    """On packed sequences the portable ``recompute`` beat every Hopper schedule (H100,
+    bench/packed_paths.py): "auto" runs it; a named ordered schedule runs on the Hopper kernel."""
+    from dash_inductor.ops import packed
+    from dash_inductor.ops.hopper import launch
+
+    ran = []
+    monkeypatch.setattr(launch, "varlen_backward",
+                        lambda *args, **kwargs: ran.append(kwargs["schedule"].name) or "hopper")
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    q, k, v, do = (torch.randn(12, 2, 16) for _ in range(4))
+    out, lse = torch.empty_like(q), torch.empty(2, 12)
+    packed.varlen_forward(q, k, v, cu, cu, 7, 7, out, lse, is_causal=True, scale=0.25)
+
+    def backward(schedule):
+        grads = (torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v))
+        return packed.varlen_backward(do, q, k, v, out, lse, cu, cu, 7, 7, *grads,
+                                      is_causal=True, scale=0.25, schedule=schedule)
+
+    assert backward("shift") == "hopper" and ran == ["shift"]
+    plan = backward("auto")
+    assert (plan.kernel, plan.schedule, plan.schedule_requested) == ("portable", "recompute",
+                                                                     "auto")
+    assert ran == ["shift"]

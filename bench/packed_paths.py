@@ -1,0 +1,53 @@
+"""The packed backward on its two CUDA paths, side by side: the Hopper kernel with each schedule
+and the portable ``recompute`` (what ``schedule="auto"`` picks for packed sequences, by this
+measurement).
+
+    python bench/packed_paths.py
+
+bf16, head dim 128, 16 heads, 16,384 packed tokens, causal, on four packings: three documents of
+unequal length, four of 4096, one sequence, three of equal length. ``triton.testing.do_bench``
+medians of the backward alone (the forward is the portable one, run once); TFLOP/s count the
+attended pairs only (2.5 x 4 x H x D x pairs). Prints one line per packing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from dash_inductor.ops import catalog, packed
+from dash_inductor.ops.hopper.launch import varlen_backward as hopper_varlen_backward
+
+TOKENS, HEADS, DIM = 16384, 16, 128
+PACKINGS = ([7429, 3667, 5288], [4096] * 4, [TOKENS], [5461, 5461, 5462])
+
+
+def main() -> None:
+    for lens in PACKINGS:
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(TOKENS, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(4))
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                          device="cuda")
+        longest, scale = max(lens), DIM ** -0.5
+        out, lse = torch.empty_like(q), torch.empty(HEADS, TOKENS, device="cuda")
+        packed.varlen_forward(q, k, v, cu, cu, longest, longest, out, lse, is_causal=True,
+                              scale=scale, kernel="portable")
+        flops = 2.5 * 4 * HEADS * DIM * sum(n * (n + 1) // 2 for n in lens)
+        grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+        row = []
+        for schedule in ("shift", "descending", "ascending", "atomic"):
+            ms = triton.testing.do_bench(lambda: hopper_varlen_backward(
+                do, q, k, v, out, lse, (cu, cu, longest, longest), *grads, is_causal=True,
+                scale=scale, schedule=catalog.get(schedule), max_spin=1 << 26, window=(-1, -1)),
+                warmup=20, rep=100)
+            row.append(f"{schedule} {ms:.3f}ms {flops / ms / 1e9:.0f}TF")
+        ms = triton.testing.do_bench(lambda: packed.varlen_backward(
+            do, q, k, v, out, lse, cu, cu, longest, longest, *grads, is_causal=True, scale=scale,
+            schedule="recompute", kernel="portable"), warmup=20, rep=100)
+        row.append(f"portable-recompute {ms:.3f}ms {flops / ms / 1e9:.0f}TF")
+        print(lens, " | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
