@@ -5,9 +5,9 @@ Like ``dash::attention`` the ops take the backward's choices (``config.CHOICES``
 arguments, captured when the forward runs, and have fake kernels and a registered autograd. Each
 sequence is computed alone: on the reference by ``reference_varlen.py``; on the Triton path
 (CUDA, ``cpu_backend="triton"``) by one launch per pass over all sequences (``ops/packed.py``),
-whose programs read the offsets on the device and work on one sequence each; with
-``kernel="hopper"`` by one launch of the dense kernels per sequence (the Hopper kernels take no
-offsets). So a sequence's outputs and gradients are the same bits whatever is packed beside it,
+whose programs read the offsets on the device and work on one sequence each (the backward of a
+named ordered schedule on the Hopper kernel, ``ops/hopper/``); with ``kernel="hopper"`` by one
+launch of the dense kernels per sequence (the Hopper forward takes no offsets). So a sequence's outputs and gradients are the same bits whatever is packed beside it,
 under every schedule.
 """
 
@@ -84,16 +84,14 @@ def _packed():
 
 #: Whether CUDA runs the packed one-launch kernels (``ops/packed.py``: the offsets stay on the
 #: device, no host synchronisation). Off: CUDA launches the dense kernels once per sequence, reading
-#: the offsets on the host. The packed kernels' first H100 run hit an illegal memory access: a
-#: program with no work released a ticket at the base of the ticket array, which is no address when
-#: a call has no query token. That is fixed (``ops/tickets.release_last``, and no launch when either
-#: side has no token) but has not yet run on a GPU; tests/gpu/test_varlen_gpu.py runs both paths,
-#: and its result decides this switch.
+#: the offsets on the host. The packed kernels' first H100 run hit an illegal memory access (a
+#: program with no work released a ticket at the base of an empty ticket array); fixed in
+#: ``ops/tickets.release_last``, and on since tests/gpu/test_varlen_gpu.py passed on both paths.
 PACKED_ON_CUDA = True
 
 
 def _per_sequence(query: Tensor, kernel_path: str) -> bool:
-    """Whether the Triton path launches per sequence: on the Hopper path (its kernels take no
+    """Whether the Triton path launches per sequence: on the Hopper path (its forward takes no
     offsets), and on CUDA while the packed kernels are held back (``PACKED_ON_CUDA``). The CPU
     interpreter runs the packed kernels."""
     return kernel_path == HOPPER or (query.device.type == "cuda" and not PACKED_ON_CUDA)
