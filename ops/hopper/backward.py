@@ -30,56 +30,11 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
 from . import walk
-
-#: A barrier over the calling partition's warps (``thread_barrier`` until Triton 3.6, ``barrier`` after).
-_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-#: TMA global-to-shared copy (``async_copy_global_to_shared`` until Triton 3.6, ``async_load`` after).
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-
-@gluon.jit
-def _red_add(ptrs, vals):
-    """Fire-and-forget fp32 adds, four contiguous elements per instruction (``red``, not ``atom``:
-    nothing comes back from L2). ``ptrs`` must hold 16-byte aligned runs of four."""
-    gl.inline_asm_elementwise(
-        "red.global.gpu.relaxed.add.v4.f32 [$4], {$8, $9, $10, $11};\n"
-        "mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;",
-        "=r,=r,=r,=r,l,l,l,l,r,r,r,r",
-        [ptrs.to(gl.int64, bitcast=True), vals.to(gl.int32, bitcast=True)], dtype=gl.int32,
-        is_pure=False, pack=4)
-
-
-@gluon.jit
-def _red_add_rows(ptrs, vals, keep):
-    """``_red_add`` of the elements where ``keep`` (int32, constant over each run of four)."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $12, 0;\n"
-        "@p red.global.gpu.relaxed.add.v4.f32 [$4], {$8, $9, $10, $11}; }\n"
-        "mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;",
-        "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
-        [ptrs.to(gl.int64, bitcast=True), vals.to(gl.int32, bitcast=True), keep], dtype=gl.int32,
-        is_pure=False, pack=4)
-
-
-@gluon.jit
-def _zero_outside(buf, lo, hi, num_warps: gl.constexpr):
-    """Zero the rows of shared tile ``buf`` outside [lo, hi), then make the stores visible to the
-    MMAs (async proxy) of every warp of the partition."""
-    ROWS: gl.constexpr = buf.shape[0]
-    COLS: gl.constexpr = buf.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (COLS // 8), COLS // 8], [num_warps, 1],
-                                            [1, 0])
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    tile = buf.load(layout)
-    keep = gl.expand_dims((rows >= lo) & (rows < hi), 1)
-    buf.store(gl.where(keep, tile, gl.zeros_like(tile)))
-    fence_async_shared()
-    _partition_barrier()
-
+from .primitives import partition_barrier, red_add, red_add_rows, tma_load, zero_outside
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
@@ -110,8 +65,8 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                 mbarrier.wait(kv_empty, (tile & 1) ^ 1)
                 mbarrier.expect(kv_ready, tile_bytes)
                 key0 = k_start + kv * BLOCK_N
-                _tma_load(k_desc, [kv_head, key0, 0], kv_ready, k_smem.reshape([1, BLOCK_N, HEAD_D]))
-                _tma_load(v_desc, [kv_head, key0, 0], kv_ready, v_smem.reshape([1, BLOCK_N, HEAD_D]))
+                tma_load(k_desc, [kv_head, key0, 0], kv_ready, k_smem.reshape([1, BLOCK_N, HEAD_D]))
+                tma_load(v_desc, [kv_head, key0, 0], kv_ready, v_smem.reshape([1, BLOCK_N, HEAD_D]))
                 tile += 1
                 first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
                                             WINDOW)
@@ -128,13 +83,13 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                             bar = q_ready.index(s)
                             mbarrier.expect(bar, step_bytes)
                             packed_row = q_start + row0
-                            _tma_load(q_desc, [q_head, packed_row, 0], bar,
+                            tma_load(q_desc, [q_head, packed_row, 0], bar,
                                       q_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
-                            _tma_load(do_desc, [q_head, packed_row, 0], bar,
+                            tma_load(do_desc, [q_head, packed_row, 0], bar,
                                       do_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
                             stats_row = row_base + stats_shift + row0
-                            _tma_load(lse_desc, [stats_row], bar, lse_bufs.index(s))
-                            _tma_load(delta_desc, [stats_row], bar, delta_bufs.index(s))
+                            tma_load(lse_desc, [stats_row], bar, lse_bufs.index(s))
+                            tma_load(delta_desc, [stats_row], bar, delta_bufs.index(s))
                             it += 1
 
 
@@ -202,12 +157,12 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
                                 if VARLEN:
                                     rows = row0 + r + offs_r
                                     keep = ((rows >= q_lo) & (rows < q_hi)).to(gl.int32)
-                                    _red_add_rows(ptrs, vals, keep[:, None] + 0 * offs_d[None, :])
+                                    red_add_rows(ptrs, vals, keep[:, None] + 0 * offs_d[None, :])
                                 else:
-                                    _red_add(ptrs, vals)
+                                    red_add(ptrs, vals)
                             mbarrier.arrive(dq_empty.index(d), count=1)
                             if ORDERED:
-                                _partition_barrier()  # every lane's adds are issued before the release
+                                partition_barrier()  # every lane's adds are issued before the release
                                 gl.atomic_add(ticket, 1, sem="release")
                             it += 1
 
@@ -235,8 +190,8 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     mbarrier.wait(q_ready.index(s), (it // STAGES) & 1)
     if VARLEN:  # rows of a neighbour (or of nothing) in the boxes: zeros before any MMA
         if (row0 < q_lo) | (row0 + BLOCK_M > q_hi):
-            _zero_outside(q_s, q_lo - row0, q_hi - row0, num_warps)
-            _zero_outside(do_s, q_lo - row0, q_hi - row0, num_warps)
+            zero_outside(q_s, q_lo - row0, q_hi - row0, num_warps)
+            zero_outside(do_s, q_lo - row0, q_hi - row0, num_warps)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -274,7 +229,7 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
         # registers) leaves ptxas the registers to keep dK in flight into the next step.
         ds_smem.store(ds_t)
         fence_async_shared()
-        _partition_barrier()
+        partition_barrier()
     if COMPUTE_DQ:  # dQ first, so that handing it to the writer overlaps dK
         dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=dq_layout)
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
@@ -340,8 +295,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                 mbarrier.wait(kv_ready, tile & 1)
                 if VARLEN:
                     if (kv * BLOCK_N < k_lo) | (kv * BLOCK_N + BLOCK_N > k_hi):
-                        _zero_outside(k_smem, k_lo - kv * BLOCK_N, k_hi - kv * BLOCK_N, num_warps)
-                        _zero_outside(v_smem, k_lo - kv * BLOCK_N, k_hi - kv * BLOCK_N, num_warps)
+                        zero_outside(k_smem, k_lo - kv * BLOCK_N, k_hi - kv * BLOCK_N, num_warps)
+                        zero_outside(v_smem, k_lo - kv * BLOCK_N, k_hi - kv * BLOCK_N, num_warps)
                 first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
                                             WINDOW)
                 first_it = it

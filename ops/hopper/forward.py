@@ -22,10 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
-from .backward import _partition_barrier, _tma_load
-
-#: TMA shared-to-global copy (``async_copy_shared_to_global`` until Triton 3.6, ``async_store`` after).
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+from .primitives import partition_barrier, tma_load, tma_store
 
 
 @gluon.jit
@@ -55,15 +52,15 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_r
     HEAD_D: gl.constexpr = q_smem.shape[1]
     m, bh, bh_kv, n_tiles = _tile_coords(L, S, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
     mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-    _tma_load(q_desc, [bh, m * BLOCK_M, 0], q_ready, q_smem.reshape([1, BLOCK_M, HEAD_D]))
+    tma_load(q_desc, [bh, m * BLOCK_M, 0], q_ready, q_smem.reshape([1, BLOCK_M, HEAD_D]))
     for j in range(n_tiles):
         s = j % STAGES
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [bh_kv, j * BLOCK_N, 0], k_ready.index(s),
+        tma_load(k_desc, [bh_kv, j * BLOCK_N, 0], k_ready.index(s),
                   k_bufs.index(s).reshape([1, BLOCK_N, HEAD_D]))
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [bh_kv, j * BLOCK_N, 0], v_ready.index(s),
+        tma_load(v_desc, [bh_kv, j * BLOCK_N, 0], v_ready.index(s),
                   v_bufs.index(s).reshape([1, BLOCK_N, HEAD_D]))
 
 
@@ -144,8 +141,8 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_emp
     out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
     q_smem.store(out.to(dtype))  # Q is no longer read: its buffer stages O for the TMA store
     fence_async_shared()
-    _partition_barrier()
-    _tma_store(o_desc, [bh, m * BLOCK_M, 0], q_smem.reshape([1, BLOCK_M, HEAD_D]))
+    partition_barrier()
+    tma_store(o_desc, [bh, m * BLOCK_M, 0], q_smem.reshape([1, BLOCK_M, HEAD_D]))
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     gl.store(LSE + bh.to(gl.int64) * L + rows, lse, mask=rows < L)
     tma.store_wait(0)

@@ -1,0 +1,55 @@
+"""Small pieces the Hopper kernels share: partition barriers, TMA copies under the names of the
+installed Triton, the dQ writer's vectorized fp32 adds, and the zeroing of a shared tile's rows."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+
+#: A barrier over the calling partition's warps (``thread_barrier`` until Triton 3.6, ``barrier`` after).
+partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+#: TMA global-to-shared copy (``async_copy_global_to_shared`` until Triton 3.6, ``async_load`` after).
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+#: TMA shared-to-global copy (``async_copy_shared_to_global`` until Triton 3.6, ``async_store`` after).
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@gluon.jit
+def red_add(ptrs, vals):
+    """Fire-and-forget fp32 adds, four contiguous elements per instruction (``red``, not ``atom``:
+    nothing comes back from L2). ``ptrs`` must hold 16-byte aligned runs of four."""
+    gl.inline_asm_elementwise(
+        "red.global.gpu.relaxed.add.v4.f32 [$4], {$8, $9, $10, $11};\n"
+        "mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;",
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r",
+        [ptrs.to(gl.int64, bitcast=True), vals.to(gl.int32, bitcast=True)], dtype=gl.int32,
+        is_pure=False, pack=4)
+
+
+@gluon.jit
+def red_add_rows(ptrs, vals, keep):
+    """``red_add`` of the elements where ``keep`` (int32, constant over each run of four)."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $12, 0;\n"
+        "@p red.global.gpu.relaxed.add.v4.f32 [$4], {$8, $9, $10, $11}; }\n"
+        "mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;",
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
+        [ptrs.to(gl.int64, bitcast=True), vals.to(gl.int32, bitcast=True), keep], dtype=gl.int32,
+        is_pure=False, pack=4)
+
+
+@gluon.jit
+def zero_outside(buf, lo, hi, num_warps: gl.constexpr):
+    """Zero the rows of shared tile ``buf`` outside [lo, hi), then make the stores visible to the
+    MMAs (async proxy) of every warp of the partition."""
+    ROWS: gl.constexpr = buf.shape[0]
+    COLS: gl.constexpr = buf.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (COLS // 8), COLS // 8], [num_warps, 1],
+                                            [1, 0])
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    tile = buf.load(layout)
+    keep = gl.expand_dims((rows >= lo) & (rows < hi), 1)
+    buf.store(gl.where(keep, tile, gl.zeros_like(tile)))
+    fence_async_shared()
+    partition_barrier()
