@@ -74,10 +74,10 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                     q_head, row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride,
                                                       VARLEN)
                     for step in range(count * NSUB):
-                        qt = walk.q_tile(step // NSUB, kv, first, count, tiles_q, tiles_kv, CAUSAL,
-                                         WINDOW, SCHEDULE)
-                        row0 = qt * BLOCK_N + (step % NSUB) * BLOCK_M
-                        if walk.has_rows(row0, BLOCK_M, q_lo, q_hi, VARLEN):
+                        _, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
+                                                       tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,
+                                                        CAUSAL, WINDOW, VARLEN, SCHEDULE)
+                        if live:
                             s = it % STAGES
                             mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
                             bar = q_ready.index(s)
@@ -127,10 +127,10 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
                     q_head, row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride,
                                                       VARLEN)
                     for step in range(count * NSUB):
-                        qt = walk.q_tile(step // NSUB, kv, first, count, tiles_q, tiles_kv, CAUSAL,
-                                         WINDOW, SCHEDULE)
-                        row0 = qt * BLOCK_N + (step % NSUB) * BLOCK_M
-                        if walk.has_rows(row0, BLOCK_M, q_lo, q_hi, VARLEN):
+                        qt, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
+                                                        tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,
+                                                        CAUSAL, WINDOW, VARLEN, SCHEDULE)
+                        if live:
                             d = it % DQ_STAGES
                             if VARLEN:  # one ticket per (head, first real row of the sub-tile)
                                 ticket = TICKETS + row_base + gl.maximum(row0, q_lo)
@@ -302,10 +302,10 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                 first_it = it
                 for g in range(GROUP):
                     for step in range(count * NSUB):
-                        qt = walk.q_tile(step // NSUB, kv, first, count, tiles_q, tiles_kv, CAUSAL,
-                                         WINDOW, SCHEDULE)
-                        row0 = qt * BLOCK_N + (step % NSUB) * BLOCK_M
-                        if walk.has_rows(row0, BLOCK_M, q_lo, q_hi, VARLEN):
+                        _, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
+                                                       tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,
+                                                        CAUSAL, WINDOW, VARLEN, SCHEDULE)
+                        if live:
                             dk, dv = _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem,
                                            ds_smem, dq_bufs, q_ready, q_empty, dq_ready, dq_empty,
                                            dk, dv, it, first_it, row0, cols, q_lo, q_hi, k_lo,

@@ -72,14 +72,24 @@ def q_range(kv, tiles_q, BLOCK_N: gl.constexpr, win_left, win_right, CAUSAL: gl.
 
 
 @gluon.jit
-def q_tile(visit, kv, first, count, tiles_q, tiles_kv, CAUSAL: gl.constexpr,
-           WINDOW: gl.constexpr, SCHEDULE: gl.constexpr):
-    """The Q tile that KV tile ``kv`` visits at its ``visit``-th visit."""
+def step_rows(step, kv, first, count, tiles_q, tiles_kv, q_lo, q_hi, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              VARLEN: gl.constexpr, SCHEDULE: gl.constexpr):
+    """(Q tile, first row of the sub-tile, whether it holds a real row) of KV tile ``kv``'s
+    ``step``-th step: its visit ``step // (BLOCK_N // BLOCK_M)``, in the schedule's order, one
+    sub-tile of BLOCK_M rows at a time. A packed sequence's first and last tiles may have
+    sub-tiles of padding only, which every partition skips."""
+    NSUB: gl.constexpr = BLOCK_N // BLOCK_M
     if WINDOW:
-        qt = sch.window_q_tile_at(visit, first, count, SCHEDULE)
+        qt = sch.window_q_tile_at(step // NSUB, first, count, SCHEDULE)
     else:
-        qt = sch.q_tile_at(visit, kv, tiles_q, tiles_kv, CAUSAL, SCHEDULE)
-    return qt
+        qt = sch.q_tile_at(step // NSUB, kv, tiles_q, tiles_kv, CAUSAL, SCHEDULE)
+    row0 = qt * BLOCK_N + (step % NSUB) * BLOCK_M
+    if VARLEN:
+        live = (row0 + BLOCK_M > q_lo) & (row0 < q_hi)
+    else:
+        live = row0 >= 0
+    return qt, row0, live
 
 
 @gluon.jit
@@ -114,14 +124,3 @@ def stats_shift(b, q_start, q_lo, STATS_START, VARLEN: gl.constexpr):
     else:
         shift = 0 * b
     return shift
-
-
-@gluon.jit
-def has_rows(row0, BLOCK_M: gl.constexpr, q_lo, q_hi, VARLEN: gl.constexpr):
-    """Whether the sub-tile of rows [row0, row0 + BLOCK_M) holds a real row: a packed sequence's
-    first and last tiles may have sub-tiles of padding only, which every partition skips."""
-    if VARLEN:
-        live = (row0 + BLOCK_M > q_lo) & (row0 < q_hi)
-    else:
-        live = row0 >= 0
-    return live
