@@ -21,9 +21,10 @@ WINDOW (a sliding window) and VARLEN (packed sequences, ``ops/packed.py``'s virt
 the tiles as the portable kernel does (``walk.py``). A packed sequence's TMA boxes may reach into
 its neighbours (or past the tensor, where TMA reads zeros): the compute warps zero such rows of a
 boundary tile in shared memory before any MMA reads it and mask P and delta to the sequence, and
-the writer adds only the sequence's rows, so no value
-of a neighbour (not even a NaN) reaches a sequence's gradients, and its bits do not depend on
-what is packed beside it.
+the writer adds only the sequence's rows, so no value of a neighbour (not even a NaN) reaches a
+sequence's gradients, and its bits do not depend on what is packed beside it. The row stats of
+packed sequences come from a layout where every TMA box starts 16-byte aligned
+(``launch.packed_row_stats``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import walk
 from .primitives import partition_barrier, red_add, red_add_rows, tma_load, zero_outside
+
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
@@ -124,8 +126,8 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
                 first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
                                             WINDOW)
                 for g in range(GROUP):
-                    q_head, row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride,
-                                                      VARLEN)
+                    _, row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride,
+                                                 VARLEN)
                     for step in range(count * NSUB):
                         qt, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
                                                         tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,
