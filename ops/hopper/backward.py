@@ -78,7 +78,7 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                     for step in range(count * NSUB):
                         _, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
                                                        tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,
-                                                        CAUSAL, WINDOW, VARLEN, SCHEDULE)
+                                                       CAUSAL, WINDOW, VARLEN, SCHEDULE)
                         if live:
                             s = it % STAGES
                             mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -306,7 +306,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                     for step in range(count * NSUB):
                         _, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
                                                        tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,
-                                                        CAUSAL, WINDOW, VARLEN, SCHEDULE)
+                                                       CAUSAL, WINDOW, VARLEN, SCHEDULE)
                         if live:
                             dk, dv = _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem,
                                            ds_smem, dq_bufs, q_ready, q_empty, dq_ready, dq_empty,
