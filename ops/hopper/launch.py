@@ -281,10 +281,9 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     tickets = torch.zeros((hq * row_stride,), device=q.device, dtype=torch.int32)
     dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
     grid, error_flag = _launch((q4, k4, v4, do4, dk4, dv4), stats, stats_start, dq_acc, tickets,
-                               packed,
-                               (num_seqs, tq, tk, n_q, n_kv, row_stride), schedule, cfg,
-                               is_causal=is_causal,
-                               window=window, scale=scale, max_spin=max_spin, even_s=False)
+                               packed, (num_seqs, tq, tk, n_q, n_kv, row_stride), schedule, cfg,
+                               is_causal=is_causal, window=window, scale=scale,
+                               max_spin=max_spin, even_s=False)
     if schedule.separate_dq:
         virtual = (t.transpose(0, 1).unsqueeze(0).expand(num_seqs, -1, -1, -1)
                    for t in (q, k, v, grad_out, dq))
