@@ -13,7 +13,8 @@ import triton.language as tl
 
 from .configs import head_dim_bucket
 from .launch import dot_precision, mask_kind
-from .tiles import key_tile_range, load_tile, masked_scores, mm, sequence_bounds, window_keep
+from .tiles import (key_tile_range, load_tile, masked_scores, mm, row_offset, sequence_rows,
+                    window_keep)
 
 LOG2E = 1.4426950408889634
 
@@ -87,24 +88,16 @@ def _backward_dq_kernel(
         start_m = (tl.num_programs(M_AXIS) - 1 - tl.program_id(M_AXIS)) * BLOCK_M
     else:
         start_m = tl.program_id(M_AXIS) * BLOCK_M
-    q_base = b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh
-    do_base = b.to(tl.int64) * stride_db + hq.to(tl.int64) * stride_dh
-    dq_base = b.to(tl.int64) * stride_dqb + hq.to(tl.int64) * stride_dqh
-    k_base = b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
-    v_base = b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
-    row_base = b.to(tl.int64) * stride_lb + hq.to(tl.int64) * stride_lh
-    diag = 0
-    if VARLEN:  # the batch stride is 0: rows start at the sequence's offset
-        q0, L, k0, S = sequence_bounds(CU_Q, CU_K, b, L, S, max_q, max_k)
+    q0, L, k0, S, diag = sequence_rows(CU_Q, CU_K, b, L, S, max_q, max_k, VARLEN)
+    if VARLEN:
         if start_m >= L:
             return
-        q_base += q0.to(tl.int64) * stride_qm
-        do_base += q0.to(tl.int64) * stride_dm
-        dq_base += q0.to(tl.int64) * stride_dqm
-        k_base += k0.to(tl.int64) * stride_kn
-        v_base += k0.to(tl.int64) * stride_vn
-        row_base += q0
-        diag = S - L
+    q_base = row_offset(b, hq, q0, stride_qb, stride_qh, stride_qm)
+    do_base = row_offset(b, hq, q0, stride_db, stride_dh, stride_dm)
+    dq_base = row_offset(b, hq, q0, stride_dqb, stride_dqh, stride_dqm)
+    k_base = row_offset(b, hkv, k0, stride_kb, stride_kh, stride_kn)
+    v_base = row_offset(b, hkv, k0, stride_vb, stride_vh, stride_vn)
+    row_base = row_offset(b, hq, q0, stride_lb, stride_lh, 1)
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_e = tl.arange(0, HEAD_E)
     offs_ev = tl.arange(0, HEAD_EV)

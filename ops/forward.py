@@ -19,10 +19,11 @@ import triton
 import triton.language as tl
 
 from .configs import arch_key, forward_config, head_dim_bucket
-from .dispatch import HOPPER, PORTABLE, select_kernel
+from .dispatch import HOPPER, select_kernel
 from .launch import dot_precision, mask_kind
 from .plan import Plan
-from .tiles import key_tile_range, load_tile, masked_scores, mm, sequence_bounds, window_keep
+from .tiles import (key_tile_range, load_tile, masked_scores, mm, row_offset, sequence_rows,
+                    window_keep)
 
 LOG2E = 1.4426950408889634
 
@@ -79,22 +80,15 @@ def _attention_forward_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_ev = tl.arange(0, HEAD_EV)
 
-    q_base = b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh
-    k_base = b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
-    v_base = b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
-    o_base = b.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh
-    lse_base = b.to(tl.int64) * stride_lb + hq.to(tl.int64) * stride_lh
-    diag = 0
-    if VARLEN:  # the batch stride is 0: rows start at the sequence's offset
-        q0, L, k0, S = sequence_bounds(CU_Q, CU_K, b, L, S, max_q, max_k)
+    q0, L, k0, S, diag = sequence_rows(CU_Q, CU_K, b, L, S, max_q, max_k, VARLEN)
+    if VARLEN:
         if start_m >= L:
             return
-        q_base += q0.to(tl.int64) * stride_qm
-        o_base += q0.to(tl.int64) * stride_om
-        k_base += k0.to(tl.int64) * stride_kn
-        v_base += k0.to(tl.int64) * stride_vn
-        lse_base += q0
-        diag = S - L
+    q_base = row_offset(b, hq, q0, stride_qb, stride_qh, stride_qm)
+    k_base = row_offset(b, hkv, k0, stride_kb, stride_kh, stride_kn)
+    v_base = row_offset(b, hkv, k0, stride_vb, stride_vh, stride_vn)
+    o_base = row_offset(b, hq, q0, stride_ob, stride_oh, stride_om)
+    lse_base = row_offset(b, hq, q0, stride_lb, stride_lh, 1)
     q = load_tile(Q + q_base, offs_m, tl.arange(0, HEAD_E), stride_qm, stride_qe, L, E,
                   VARLEN or not EVEN_M, E != HEAD_E)
     k_ptr = K + k_base

@@ -62,6 +62,27 @@ def sequence_bounds(CU_Q, CU_K, seq, total_q, total_k, max_q, max_k):
 
 
 @triton.jit
+def sequence_rows(CU_Q, CU_K, b, L, S, max_q, max_k, VARLEN: tl.constexpr):
+    """(first query row, queries, first key row, keys, diagonal key of query 0) of batch entry
+    ``b`` for the kernels that keep queries along dim 0 (the forward and the dQ pass): packed
+    sequence ``b`` aligned bottom-right (``sequence_bounds``), or a dense entry (0, L, 0, S, 0)."""
+    if VARLEN:
+        q0, seq_l, k0, seq_s = sequence_bounds(CU_Q, CU_K, b, L, S, max_q, max_k)
+        result = (q0, seq_l, k0, seq_s, seq_s - seq_l)
+    else:
+        result = (b * 0, L + b * 0, b * 0, S + b * 0, b * 0)
+    return result
+
+
+@triton.jit
+def row_offset(b, h, row, stride_b, stride_h, stride_r):
+    """Element offset of ``row`` of (batch ``b``, head ``h``) in int64 (a packed sequence's rows
+    start at its first row, its batch stride being 0)."""
+    return (b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+            + row.to(tl.int64) * stride_r)
+
+
+@triton.jit
 def diagonal_origin(seq_l, seq_s, ALIGNED: tl.constexpr):
     """(row of query 0, column of key 0) of a packed sequence in the backward's tile coordinates.
 
