@@ -264,6 +264,17 @@ def choose_path(kernel: str, schedule: str, requested: Schedule, q: torch.Tensor
     return path, reason, requested
 
 
+def window_fallback(schedule: Schedule, causal: bool,
+                    window: tuple[int, int]) -> tuple[Schedule, str | None]:
+    """The schedule that runs under ``window``, and why it is not the one asked: ``shift`` has no
+    windowed ranks and falls back to the ordered schedule that runs on any grid."""
+    if tuple(window) == (-1, -1) or schedule.name != "shift":
+        return schedule, None
+    fitted = catalog.get(catalog.fallback(causal))
+    return fitted, (f"schedule 'shift' has no sliding-window ranks; using {fitted.name!r} "
+                    f"(ordered, window-aware) instead")
+
+
 def fit_schedule(schedule: Schedule, causal: bool, n_kv: int, capacity: int,
                   shape: str) -> tuple[Schedule, str | None]:
     """The schedule that fits ``capacity`` co-resident programs, and why it is not the one asked."""
@@ -388,12 +399,8 @@ def launch_main(tensors: tuple, packed: tuple | None, sizes: tuple[int, int, int
         return coresident_programs(_backward_main_kernel, (*args, *items), {**kwargs, **constexprs},
                                    device)
 
-    fitted, fallback = requested, None
-    if windowed and requested.name == "shift":  # its ranks have no windowed form
-        fitted = catalog.get(catalog.fallback(is_causal))
-        fallback = (f"schedule 'shift' has no sliding-window ranks; using {fitted.name!r} "
-                    f"(ordered, window-aware) instead")
-    elif requested.coresident_head and not interpreting():
+    fitted, fallback = window_fallback(requested, is_causal, window)
+    if fallback is None and requested.coresident_head and not interpreting():
         fitted, fallback = fit_schedule(requested, is_causal, n_kv, capacity(requested), shape)
     items, constexprs = _schedule_launch(fitted, is_causal, n_kv, batch * hkv, waits)
     if not interpreting():

@@ -81,11 +81,15 @@ def _check_on_device(cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, totals: tup
     watch_spin_flag(flag, lambda code: ValueError(offsets.device_breach(code, totals, max_lens)))
 
 
-def _forward_reason(kernel: str) -> str | None:
-    """Why ``kernel="auto"`` runs the portable forward; the Hopper path has no packed forward."""
+def _check_kernel(kernel: str) -> None:
     if kernel not in KERNELS:
         raise ValueError(f"dash.varlen_attention: kernel must be one of {list(KERNELS)}, got "
                          f"{kernel!r}")
+
+
+def _forward_reason(kernel: str) -> str | None:
+    """Why ``kernel="auto"`` runs the portable forward; the Hopper path has no packed forward."""
+    _check_kernel(kernel)
     if kernel == HOPPER:
         raise ValueError(f"dash.varlen_attention: kernel='hopper' cannot run {_NO_HOPPER} in one "
                          "launch")
@@ -150,9 +154,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     span_q, span_k = (max(max_q, max_k),) * 2 if aligned else (max_q, max_k)
     n_q, n_kv = triton.cdiv(span_q, cfg.block_n), triton.cdiv(span_k, cfg.block_n)
     requested = resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, max(n_kv, 1), arch)
-    if kernel not in KERNELS:
-        raise ValueError(f"dash.varlen_attention: kernel must be one of {list(KERNELS)}, got "
-                         f"{kernel!r}")
+    _check_kernel(kernel)
     # "auto" keeps the portable rule's schedule (recompute) here: on packed documents it beat
     # every schedule of the Hopper kernel (H100, bench/packed_paths.py, docs/benchmarks.md).
     named = requested.name if schedule == AUTO else schedule

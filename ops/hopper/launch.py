@@ -19,7 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import catalog
-from ..backward import LOG2E, compute_delta, fit_schedule
+from ..backward import LOG2E, compute_delta, fit_schedule, window_fallback
 from ..dq_pass import launch_dq_pass
 from ..configs import backward_config as portable_backward_config
 from ..launch import watch_spin_flag
@@ -76,6 +76,13 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
 
 
+def _lse2(lse: torch.Tensor, heads: int, seq: int) -> torch.Tensor:
+    """The logsumexp as (heads, seq) in the exp2 domain, +inf where a row saw no key (-inf), so
+    that P = exp2(S - lse2) is 0 there."""
+    lse2 = lse.reshape(heads, seq) * LOG2E
+    return lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
+
+
 def _row_stats(lse: torch.Tensor, delta: torch.Tensor, rows: int) -> torch.Tensor:
     """(2, B*H*rows) fp32: the logsumexp in the exp2 domain and delta, each row padded to ``rows``.
 
@@ -84,8 +91,7 @@ def _row_stats(lse: torch.Tensor, delta: torch.Tensor, rows: int) -> torch.Tenso
     """
     heads, seq = delta.shape
     stats = torch.empty((2, heads, rows), device=delta.device, dtype=torch.float32)
-    lse2 = lse.reshape(heads, seq) * LOG2E
-    stats[0, :, :seq] = lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
+    stats[0, :, :seq] = _lse2(lse, heads, seq)
     stats[0, :, seq:] = float("inf")
     stats[1, :, :seq] = delta
     stats[1, :, seq:] = 0.0
@@ -114,8 +120,7 @@ def packed_row_stats(lse: torch.Tensor, delta: torch.Tensor, cu_seq_q: torch.Ten
     stats = torch.empty((2, heads, row_stride), device=delta.device, dtype=torch.float32)
     stats[0].fill_(float("inf"))
     stats[1].zero_()
-    lse2 = lse.reshape(heads, total) * LOG2E
-    stats[0].index_copy_(1, where, lse2.masked_fill_(lse2 == float("-inf"), float("inf")))
+    stats[0].index_copy_(1, where, _lse2(lse, heads, total))
     stats[1].index_copy_(1, where, delta)
     return stats.view(2, heads * row_stride), start.to(torch.int32), row_stride
 
@@ -159,11 +164,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
 def _fit(schedule: catalog.Schedule, causal: bool, window: tuple[int, int], n_kv: int,
          capacity: int, shape: str) -> tuple[catalog.Schedule, str | None]:
     """The schedule that runs, and why it is not the one asked (as the portable launcher)."""
-    if window != (-1, -1) and schedule.name == "shift":  # its ranks have no windowed form
-        fitted = catalog.get(catalog.fallback(causal))
-        return fitted, (f"schedule 'shift' has no sliding-window ranks; using {fitted.name!r} "
-                        f"(ordered, window-aware) instead")
-    return fit_schedule(schedule, causal, n_kv, capacity, shape)
+    fitted, reason = window_fallback(schedule, causal, window)
+    return (fitted, reason) if reason else fit_schedule(schedule, causal, n_kv, capacity, shape)
 
 
 def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor, dq_acc: torch.Tensor,
