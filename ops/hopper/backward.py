@@ -153,14 +153,22 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
                             mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
                             base = DQACC + (row_base + row0).to(gl.int64) * HEAD_D
                             buf = dq_bufs.index(d)
-                            for r in gl.static_range(0, BLOCK_M, ROWS):
-                                vals = buf.slice(r, ROWS, dim=0).load(layout)
-                                ptrs = base + (r + offs_r)[:, None] * HEAD_D + offs_d[None, :]
-                                if VARLEN:
+                            # Only a sub-tile that crosses its sequence's edge adds row by row:
+                            # predicated adds become a branch per add in SASS, with no shared
+                            # memory load in flight across it, and made the writer the packed
+                            # kernel's bottleneck (docs/kernels-notes.md).
+                            edge = (row0 < q_lo) | (row0 + BLOCK_M > q_hi)
+                            if VARLEN and edge:  # only the sequence's own rows
+                                for r in gl.static_range(0, BLOCK_M, ROWS):
+                                    vals = buf.slice(r, ROWS, dim=0).load(layout)
+                                    ptrs = base + (r + offs_r)[:, None] * HEAD_D + offs_d[None, :]
                                     rows = row0 + r + offs_r
                                     keep = ((rows >= q_lo) & (rows < q_hi)).to(gl.int32)
                                     red_add_rows(ptrs, vals, keep[:, None] + 0 * offs_d[None, :])
-                                else:
+                            else:
+                                for r in gl.static_range(0, BLOCK_M, ROWS):
+                                    vals = buf.slice(r, ROWS, dim=0).load(layout)
+                                    ptrs = base + (r + offs_r)[:, None] * HEAD_D + offs_d[None, :]
                                     red_add(ptrs, vals)
                             mbarrier.arrive(dq_empty.index(d), count=1)
                             if ORDERED:
