@@ -109,11 +109,16 @@ def _backward_dq_kernel(
     k_ptr = K + k_base
     v_ptr = V + v_base
     mask_ptr = MASK + b.to(tl.int64) * stride_mb + hq.to(tl.int64) * stride_mh
-    start, full_end, end = key_tile_range(start_m, S, diag, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                          win_left, win_right)
+    start, full_start, full_end, end = key_tile_range(start_m, S, diag, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      WINDOW, win_left, win_right)
     offs_n = tl.arange(0, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_E], tl.float32)
-    for start_n in range(start, full_end, BLOCK_N):
+    for start_n in range(start, full_start, BLOCK_N):  # a window's left edge
+        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
+                           L, S, diag, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve,
+                           stride_mm, stride_mn, win_left, win_right, E, EV, HEAD_E, HEAD_EV,
+                           CAUSAL, True, MASK_KIND, WINDOW, PRECISION)
+    for start_n in range(full_start, full_end, BLOCK_N):
         dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
                            L, S, diag, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve,
                            stride_mm, stride_mn, win_left, win_right, E, EV, HEAD_E, HEAD_EV,

@@ -3,7 +3,8 @@
 Online softmax (Dao, "FlashAttention-2", 2023) in the exp2 domain: the scores are multiplied by
 ``scale * log2(e)`` once so that every exponential is a cheap ``exp2``. Causal (top-left) attention
 skips the KV tiles entirely above the diagonal and masks only the diagonal band; a sliding
-window (``window``: left, right, -1 = open) skips the KV tiles outside it and masks the rest;
+window (``window``: left, right, -1 = open) skips the KV tiles outside it and masks only its
+edge tiles;
 user masks are loaded tile by tile through their (possibly zero) strides; GQA reads the KV head
 ``h // group``.
 
@@ -55,6 +56,25 @@ def _online_step(acc, m_i, l_i, s, V, start_n, offs_n, S, stride_vn, stride_ve,
 
 
 @triton.jit
+def _key_tile(acc, m_i, l_i, q, K, V, MASK, offs_m, start_n, offs_n, L, S, diag, qk_scale,
+              stride_mm, stride_mn, stride_kn, stride_ke, stride_vn, stride_ve, win_left,
+              win_right, EDGE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+              WINDOW: tl.constexpr, E: tl.constexpr, HEAD_E: tl.constexpr, EV: tl.constexpr,
+              HEAD_EV: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold the KV tile at ``start_n`` into the online softmax. Only an EDGE tile (one that
+    crosses the diagonal, S or a window's edge: ``tiles.key_tile_range``) checks bounds and
+    applies the causal and window masks; a user mask applies to every tile."""
+    s = _scores_tile(q, K, offs_m, start_n + offs_n, L, S, diag, qk_scale, MASK, stride_mm,
+                     stride_mn, stride_kn, stride_ke, MASK_KIND, EDGE and CAUSAL, EDGE, E, HEAD_E,
+                     PRECISION)
+    if EDGE and WINDOW:
+        s = tl.where(window_keep(offs_m[:, None] + diag, (start_n + offs_n)[None, :], win_left,
+                                 win_right), s, float("-inf"))
+    return _online_step(acc, m_i, l_i, s, V, start_n, offs_n, S, stride_vn, stride_ve, EDGE, EV,
+                        HEAD_EV, PRECISION)
+
+
+@triton.jit
 def _attention_forward_kernel(
         Q, K, V, MASK, OUT, LSE, CU_Q, CU_K,
         stride_qb, stride_qh, stride_qm, stride_qe,
@@ -99,23 +119,23 @@ def _attention_forward_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_EV], tl.float32)
 
-    start, full_end, end = key_tile_range(start_m, S, diag, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                          win_left, win_right)
-    for start_n in range(start, full_end, BLOCK_N):
-        s = _scores_tile(q, k_ptr, offs_m, start_n + offs_n, L, S, diag, qk_scale,
-                         mask_ptr, stride_mm, stride_mn, stride_kn, stride_ke,
-                         MASK_KIND, False, False, E, HEAD_E, PRECISION)
-        acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptr, start_n, offs_n, S,
-                                     stride_vn, stride_ve, False, EV, HEAD_EV, PRECISION)
+    start, full_start, full_end, end = key_tile_range(start_m, S, diag, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      WINDOW, win_left, win_right)
+    for start_n in range(start, full_start, BLOCK_N):
+        acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, k_ptr, v_ptr, mask_ptr, offs_m, start_n, offs_n,
+                                  L, S, diag, qk_scale, stride_mm, stride_mn, stride_kn, stride_ke,
+                                  stride_vn, stride_ve, win_left, win_right, True, MASK_KIND,
+                                  CAUSAL, WINDOW, E, HEAD_E, EV, HEAD_EV, PRECISION)
+    for start_n in range(full_start, full_end, BLOCK_N):
+        acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, k_ptr, v_ptr, mask_ptr, offs_m, start_n, offs_n,
+                                  L, S, diag, qk_scale, stride_mm, stride_mn, stride_kn, stride_ke,
+                                  stride_vn, stride_ve, win_left, win_right, False, MASK_KIND,
+                                  CAUSAL, WINDOW, E, HEAD_E, EV, HEAD_EV, PRECISION)
     for start_n in range(full_end, end, BLOCK_N):
-        s = _scores_tile(q, k_ptr, offs_m, start_n + offs_n,
-                         L, S, diag, qk_scale, mask_ptr, stride_mm, stride_mn, stride_kn, stride_ke,
-                         MASK_KIND, CAUSAL, True, E, HEAD_E, PRECISION)
-        if WINDOW:
-            s = tl.where(window_keep(offs_m[:, None] + diag, (start_n + offs_n)[None, :],
-                                     win_left, win_right), s, float("-inf"))
-        acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v_ptr, start_n, offs_n, S,
-                                     stride_vn, stride_ve, True, EV, HEAD_EV, PRECISION)
+        acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, k_ptr, v_ptr, mask_ptr, offs_m, start_n, offs_n,
+                                  L, S, diag, qk_scale, stride_mm, stride_mn, stride_kn, stride_ke,
+                                  stride_vn, stride_ve, win_left, win_right, True, MASK_KIND,
+                                  CAUSAL, WINDOW, E, HEAD_E, EV, HEAD_EV, PRECISION)
 
     seen = l_i != 0.0  # 0 only where no key was seen; NaN (a NaN or +inf score) stays NaN
     out = acc / tl.where(seen, l_i, 1.0)[:, None]

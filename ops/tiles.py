@@ -151,20 +151,31 @@ def window_keep(rows, cols, left, right):
 def key_tile_range(start_m, S, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, win_left, win_right):
     """The keys that query rows [start_m, start_m + BLOCK_M) visit, for kernels that keep queries
-    along dim 0 (the forward and the dQ pass): tiles in [start, full_end) need no causal, bounds or
-    window masking, tiles in [full_end, end) need them; keys past ``end`` are never loaded.
-    ``end`` may be negative (rows whose diagonal lies before key 0 see nothing): loops are empty."""
+    along dim 0 (the forward and the dQ pass), as (start, full_start, full_end, end): the tiles
+    in [full_start, full_end) need no causal, bounds or window masking, those in [start,
+    full_start) (a window's left edge) and [full_end, end) (the diagonal, S, a window's right
+    edge) need them, keys outside [start, end) are never loaded. Visited in ascending order, a
+    tile gives the same bits masked or not. ``end`` may be negative (rows whose diagonal lies
+    before key 0 see nothing): the loops are empty then."""
+    first = start_m + diag  # the first row's diagonal key
     if CAUSAL:
         end = tl.minimum(start_m + BLOCK_M + diag, S)
-        full_end = tl.minimum(tl.maximum(start_m + 1 + diag, 0) // BLOCK_N, S // BLOCK_N) * BLOCK_N
+        full_end = tl.minimum(tl.maximum(first + 1, 0) // BLOCK_N, S // BLOCK_N) * BLOCK_N
     else:
         end = S
         full_end = (S // BLOCK_N) * BLOCK_N
     start = 0
-    if WINDOW:  # every visited tile is masked, in the second loop
-        start, end = window_key_range(start_m + diag, end, BLOCK_M, BLOCK_N, win_left, win_right)
-        full_end = start
-    return start, full_end, end
+    full_start = 0
+    if WINDOW:
+        start, end = window_key_range(first, end, BLOCK_M, BLOCK_N, win_left, win_right)
+        # Left edge: a tile is inside for every row once it starts at the last row's first key.
+        left_in = tl.cdiv(tl.maximum(first + BLOCK_M - 1 - win_left, 0), BLOCK_N) * BLOCK_N
+        full_start = tl.minimum(tl.where(win_left >= 0, tl.maximum(left_in, start), start), end)
+        # Right edge: a tile is inside for every row if it ends by the first row's last key.
+        right_in = (tl.maximum(first + win_right + 1, 0) // BLOCK_N) * BLOCK_N
+        full_end = tl.where(win_right >= 0, tl.minimum(full_end, right_in), full_end)
+        full_end = tl.minimum(tl.maximum(full_end, full_start), end)
+    return start, full_start, full_end, end
 
 
 @triton.jit
