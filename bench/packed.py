@@ -61,29 +61,31 @@ def describe(error: Exception, limit: int) -> str:
 
 
 def first_that_runs(method: m.Method, candidates: pm.Candidates, inputs: pm.Inputs
-                    ) -> tuple[str, pm.Forward]:
-    """The first candidate whose forward and backward run once, or an error naming every try."""
-    q, k, v, grad_out = inputs
+                    ) -> tuple[str, pm.Candidate]:
+    """The first candidate whose forward and backward run once (and the backend that ran), or an
+    error naming every try."""
     errors = []
-    for backend, forward in candidates:
+    for candidate in candidates:
+        q, k, v, grad_out = pm.inputs_for(candidate, inputs)
         try:
             with pm.mode(method):
-                forward(q, k, v).backward(grad_out)
+                candidate.forward(q, k, v).backward(grad_out)
             if q.is_cuda:
                 torch.cuda.synchronize()
         except Exception as error:  # try the next backend; report all if none runs
-            errors.append(f"{backend}: {describe(error, 300)}")
+            errors.append(f"{candidate.backend}: {describe(error, 300)}")
             if q.is_cuda:
                 torch.cuda.empty_cache()
             continue
         finally:
             for t in (q, k, v):
                 t.grad = None
+        backend = candidate.backend
         if method.is_dash:
             plans = [p for p in last_plans() if p.op == "backward"]
             backend = f"{plans[-1].kernel} {plans[-1].schedule}" if q.is_cuda and plans \
                 else "reference"
-        return backend, forward
+        return backend, candidate
     raise RuntimeError("; ".join(errors))
 
 
@@ -101,14 +103,14 @@ def host_median_ms(reps: int) -> Timer:
     return timer
 
 
-def measure(method: m.Method, forward: pm.Forward, inputs: pm.Inputs, timer: Timer
+def measure(method: m.Method, candidate: pm.Candidate, inputs: pm.Inputs, timer: Timer
             ) -> tuple[float, float]:
     """Forward, then backward of a retained graph, in ms."""
-    q, k, v, grad_out = inputs
+    q, k, v, grad_out = pm.inputs_for(candidate, inputs)
     leaves = [q, k, v]
     with pm.mode(method):
-        forward_ms = timer(lambda: forward(q, k, v), None)
-        out = forward(q, k, v)
+        forward_ms = timer(lambda: candidate.forward(q, k, v), None)
+        out = candidate.forward(q, k, v)
         backward_ms = timer(lambda: out.backward(grad_out, retain_graph=True), leaves)
     for t in leaves:
         t.grad = None
@@ -130,8 +132,8 @@ def run_case(case: pm.Case, device: str, timer: Timer, seed: int) -> list[dict[s
                                "title": way.method.title,
                                "deterministic": way.method.deterministic}
         try:
-            backend, forward = first_that_runs(way.method, way.candidates(setup), inputs)
-            forward_ms, backward_ms = measure(way.method, forward, inputs, timer)
+            backend, candidate = first_that_runs(way.method, way.candidates(setup), inputs)
+            forward_ms, backward_ms = measure(way.method, candidate, inputs, timer)
             row.update(status="ok", backend=backend, forward_ms=forward_ms,
                        backward_ms=backward_ms,
                        forward_tflops=m.tflops(case.flops_forward, forward_ms),

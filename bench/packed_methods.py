@@ -4,8 +4,11 @@ Each problem is attention over packed documents, causal with an optional window 
 back, except "full": one sequence, every query on every key (the issue's "full 16k" that a 4k
 window is held against). The documents' offsets, FlexAttention's mask_mod and SDPA's dense mask all derive from
 (lengths, left) through one definition (``allowed``), so every method computes the same mask.
-Every method takes and returns (1, H, T, D) tensors laid out over (T, H, D) storage; the varlen
-APIs see the packed (T, H, D) view of the same memory.
+All inputs live in (T, H, D) storage. The varlen APIs (dash's ``varlen_attention``, PyTorch's
+``varlen_attn``) take their leaves as the packed (T, H, D) view, as their users hold them; the
+other methods take (1, H, T, D) views of the same memory. Feeding a varlen API the (1, H, T, D)
+view instead would time autograd's layout glue with it (a ``select_backward`` and a stride copy
+per gradient), which the dense methods never pay.
 """
 
 from __future__ import annotations
@@ -121,10 +124,6 @@ def _packed(x: Tensor) -> Tensor:
     return x[0].transpose(0, 1)
 
 
-def _unpacked(x: Tensor) -> Tensor:
-    return x.transpose(0, 1)[None]
-
-
 @dataclasses.dataclass
 class Setup:
     """What the methods of one case share: device, offsets, document ids, the dense mask."""
@@ -150,7 +149,26 @@ class Setup:
         return self.dense
 
 
-Candidates = list[tuple[str, Forward]]
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way to run a method: its backend's name and its forward; ``packed``: the forward
+    takes and returns the packed (T, H, D) view (see the module doc)."""
+
+    backend: str
+    forward: Forward
+    packed: bool = False
+
+
+Candidates = list[Candidate]
+
+
+def inputs_for(candidate: Candidate, inputs: Inputs) -> Inputs:
+    """``inputs`` in the layout ``candidate`` takes: for a packed one, fresh leaves viewing the
+    same memory as (T, H, D)."""
+    if not candidate.packed:
+        return inputs
+    q, k, v, grad_out = inputs
+    return (*(_packed(t).detach().requires_grad_() for t in (q, k, v)), _packed(grad_out))
 
 
 def dash_candidates(setup: Setup) -> Candidates:
@@ -159,12 +177,11 @@ def dash_candidates(setup: Setup) -> Candidates:
     case, window = setup.case, (setup.case.left, 0)
     if case.kind == "docs":
         longest = max(case.lengths)
-        return [("dash", lambda q, k, v: _unpacked(dash_inductor.varlen_attention(
-            _packed(q), _packed(k), _packed(v), setup.cu_seq, setup.cu_seq, longest, longest,
-            window_size=window)))]
+        return [Candidate("dash", lambda q, k, v: dash_inductor.varlen_attention(
+            q, k, v, setup.cu_seq, setup.cu_seq, longest, longest, window_size=window), True)]
     window = window if case.left >= 0 else (-1, -1)
-    return [("dash", lambda q, k, v: dash_inductor.attention(q, k, v, is_causal=case.causal,
-                                                             window_size=window))]
+    return [Candidate("dash", lambda q, k, v: dash_inductor.attention(
+        q, k, v, is_causal=case.causal, window_size=window))]
 
 
 _FLEX: list[Callable[..., Tensor]] = []
@@ -182,7 +199,7 @@ def flex_candidates(setup: Setup) -> Candidates:
     block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: allowed(q_idx, kv_idx, doc, left,
                                                                        causal),
                                    None, None, tokens, tokens, device=setup.device)
-    return [("flex", lambda q, k, v: _FLEX[0](q, k, v, block_mask=block_mask))]
+    return [Candidate("flex", lambda q, k, v: _FLEX[0](q, k, v, block_mask=block_mask))]
 
 
 def sdpa_candidates(setup: Setup, deterministic: bool) -> Candidates:
@@ -199,10 +216,10 @@ def sdpa_candidates(setup: Setup, deterministic: bool) -> Candidates:
         return forward
 
     if setup.device != "cuda":
-        return [("cpu", run(None))]
+        return [Candidate("cpu", run(None))]
     order = ["EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"] if deterministic else \
         ["CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
-    return [(name.split("_")[0].lower(), run(getattr(SDPBackend, name))) for name in order]
+    return [Candidate(name.split("_")[0].lower(), run(getattr(SDPBackend, name))) for name in order]
 
 
 def varlen_attn_candidates(setup: Setup) -> Candidates:
@@ -215,9 +232,8 @@ def varlen_attn_candidates(setup: Setup) -> Candidates:
         raise Skipped("varlen_attn runs FlashAttention, on CUDA only")
     longest = max(setup.case.lengths)
     window = (setup.case.left, 0) if setup.case.causal else (-1, -1)
-    return [("flash", lambda q, k, v: _unpacked(varlen_attn(
-        _packed(q), _packed(k), _packed(v), setup.cu_seq, setup.cu_seq, longest, longest,
-        window_size=window)))]
+    return [Candidate("flash", lambda q, k, v: varlen_attn(
+        q, k, v, setup.cu_seq, setup.cu_seq, longest, longest, window_size=window), True)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,3 +71,23 @@ def test_writes_the_markdown_and_the_command(smoke) -> None:
     out = smoke[1]
     assert "| problem | method |" in (out / "packed.md").read_text()
     assert "bench/packed.py --smoke" in (out / "README.md").read_text()
+
+
+def test_varlen_methods_take_packed_leaves_over_the_same_memory() -> None:
+    """dash's varlen_attention (and varlen_attn) get (T, H, D) leaves, as their users hold them,
+    so autograd adds no layout copy to their backward; the dense methods get (1, H, T, D) views of
+    the same storage."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import packed_methods as pm
+
+    docs, window = (c for c in pm.cases(pm.SMOKE, (64,)) if c.kind in ("docs", "window"))
+    inputs = pm.make_inputs(docs, "cpu", seed=0)
+    packed_way, = pm.dash_candidates(pm.Setup.of(docs, "cpu"))
+    dense_way, = pm.dash_candidates(pm.Setup.of(window, "cpu"))
+    assert packed_way.packed and not dense_way.packed
+    assert pm.inputs_for(dense_way, inputs) is inputs
+    for mine, theirs in zip(pm.inputs_for(packed_way, inputs), inputs):
+        assert mine.shape == (docs.tokens, docs.heads, docs.head_dim) and mine.is_contiguous()
+        assert mine.data_ptr() == theirs.data_ptr()
+    q, k, v, grad_out = pm.inputs_for(packed_way, inputs)
+    assert q.is_leaf and q.requires_grad and not grad_out.requires_grad
