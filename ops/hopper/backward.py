@@ -153,12 +153,11 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
                             mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
                             base = DQACC + (row_base + row0).to(gl.int64) * HEAD_D
                             buf = dq_bufs.index(d)
-                            # Only a sub-tile that crosses its sequence's edge adds row by row:
-                            # predicated adds become a branch per add in SASS, with no shared
-                            # memory load in flight across it, and made the writer the packed
-                            # kernel's bottleneck (docs/kernels-notes.md).
-                            edge = (row0 < q_lo) | (row0 + BLOCK_M > q_hi)
-                            if VARLEN and edge:  # only the sequence's own rows
+                            # Only a sub-tile that crosses its sequence's edge adds row by row
+                            # (its own rows): predicated adds become a branch per add in SASS,
+                            # with no shared memory load in flight across it, and made the writer
+                            # the packed kernel's bottleneck (docs/kernels-notes.md).
+                            if VARLEN and walk.crosses_edge(row0, BLOCK_M, q_lo, q_hi):
                                 for r in gl.static_range(0, BLOCK_M, ROWS):
                                     vals = buf.slice(r, ROWS, dim=0).load(layout)
                                     ptrs = base + (r + offs_r)[:, None] * HEAD_D + offs_d[None, :]
@@ -199,7 +198,7 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     do_s = do_bufs.index(s)
     mbarrier.wait(q_ready.index(s), (it // STAGES) & 1)
     if VARLEN:  # rows of a neighbour (or of nothing) in the boxes: zeros before any MMA
-        if (row0 < q_lo) | (row0 + BLOCK_M > q_hi):
+        if walk.crosses_edge(row0, BLOCK_M, q_lo, q_hi):
             zero_outside(q_s, q_lo - row0, q_hi - row0, num_warps)
             zero_outside(do_s, q_lo - row0, q_hi - row0, num_warps)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
@@ -304,7 +303,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                 dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=kv_layout)
                 mbarrier.wait(kv_ready, tile & 1)
                 if VARLEN:
-                    if (kv * BLOCK_N < k_lo) | (kv * BLOCK_N + BLOCK_N > k_hi):
+                    if walk.crosses_edge(kv * BLOCK_N, BLOCK_N, k_lo, k_hi):
                         zero_outside(k_smem, k_lo - kv * BLOCK_N, k_hi - kv * BLOCK_N, num_warps)
                         zero_outside(v_smem, k_lo - kv * BLOCK_N, k_hi - kv * BLOCK_N, num_warps)
                 first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,

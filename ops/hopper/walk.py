@@ -93,6 +93,13 @@ def step_rows(step, kv, first, count, tiles_q, tiles_kv, q_lo, q_hi, BLOCK_M: gl
 
 
 @gluon.jit
+def crosses_edge(first, SIZE: gl.constexpr, lo, hi):
+    """Whether rows (or keys) [first, first + SIZE) of a tile reach outside a packed sequence's
+    [lo, hi): only such a boundary tile holds a neighbour's rows, to zero or to leave out."""
+    return (first < lo) | (first + SIZE > hi)
+
+
+@gluon.jit
 def rank(qt, kv, tiles_q, tiles_kv, BLOCK_N: gl.constexpr, win_left, CAUSAL: gl.constexpr,
          WINDOW: gl.constexpr, SCHEDULE: gl.constexpr):
     """The position of KV tile ``kv``'s dQ contribution in Q tile ``qt``'s reduction order."""
