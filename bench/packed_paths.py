@@ -36,7 +36,7 @@ def main() -> None:
         flops = 2.5 * 4 * HEADS * DIM * sum(n * (n + 1) // 2 for n in lens)
         grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
         row = []
-        for schedule in ("shift", "descending", "ascending", "atomic"):
+        for schedule in ("shift", "descending", "ascending", "atomic", "recompute"):
             ms = triton.testing.do_bench(lambda: hopper_varlen_backward(
                 do, q, k, v, out, lse, (cu, cu, longest, longest), *grads, is_causal=True,
                 scale=scale, schedule=catalog.get(schedule), max_spin=1 << 26, window=(-1, -1)),

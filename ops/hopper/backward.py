@@ -216,16 +216,19 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
     keys = gl.expand_dims(cols, 1)
     queries = gl.expand_dims(rows, 0)
-    if CAUSAL:
+    if VARLEN and CAUSAL:  # the sequence's bounds folded into the causal test
+        key_at, query_at = walk.causal_order(cols, rows, k_lo, k_hi, q_lo, q_hi)
+        p_t = gl.where(gl.expand_dims(key_at, 1) <= gl.expand_dims(query_at, 0), p_t, 0.0)
+    elif VARLEN:
+        real = (keys >= k_lo) & (keys < k_hi) & (queries >= q_lo) & (queries < q_hi)
+        p_t = gl.where(real, p_t, 0.0)
+    elif CAUSAL:
         p_t = gl.where(keys <= queries, p_t, 0.0)
     if WINDOW:  # as tiles.window_keep: a side of -1 is open
         inside = (((keys >= queries - win_left) | (win_left < 0))
                   & ((keys <= queries + win_right) | (win_right < 0)))
         p_t = gl.where(inside, p_t, 0.0)
-    if VARLEN:
-        real = (keys >= k_lo) & (keys < k_hi) & (queries >= q_lo) & (queries < q_hi)
-        p_t = gl.where(real, p_t, 0.0)
-    elif not EVEN_S:
+    if not (VARLEN or EVEN_S):
         p_t = gl.where(keys < S, p_t, 0.0)
     dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
     dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))

@@ -100,6 +100,19 @@ def crosses_edge(first, SIZE: gl.constexpr, lo, hi):
 
 
 @gluon.jit
+def causal_order(keys, queries, k_lo, k_hi, q_lo, q_hi):
+    """A tile's keys and queries (1-D) recoded so that ``key <= query`` holds exactly where both
+    lie in the packed sequence (keys ``[k_lo, k_hi)``, queries ``[q_lo, q_hi)``) and the key is
+    not after the query: the causal mask of a packed tile then costs one compare per element, as
+    a dense one does. Five tests per element made the packed causal kernel 12-25% slower
+    (docs/kernels-notes.md)."""
+    OUTSIDE: gl.constexpr = 1 << 30  # beyond any tile coordinate
+    key_at = gl.where((keys >= k_lo) & (keys < k_hi), keys, OUTSIDE)
+    query_at = gl.where((queries >= q_lo) & (queries < q_hi), queries, -OUTSIDE)
+    return key_at, query_at
+
+
+@gluon.jit
 def rank(qt, kv, tiles_q, tiles_kv, BLOCK_N: gl.constexpr, win_left, CAUSAL: gl.constexpr,
          WINDOW: gl.constexpr, SCHEDULE: gl.constexpr):
     """The position of KV tile ``kv``'s dQ contribution in Q tile ``qt``'s reduction order."""
