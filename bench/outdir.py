@@ -43,11 +43,14 @@ def default_dir(gpu: str, date: str | None = None) -> Path:
 
 
 def record_command(directory: Path, command: str, files: list[Path]) -> None:
-    """Append the command and the files it wrote to ``directory/README.md``."""
+    """Append the command and the files it wrote to ``directory/README.md``, once: a script that
+    rewrites its files after every problem records the same line each time."""
     directory.mkdir(parents=True, exist_ok=True)
     readme = directory / "README.md"
     if not readme.exists():
         readme.write_text(f"# {directory.name}\n\nWritten by:\n\n")
     names = ", ".join(f"`{f.name}`" for f in files)
-    with readme.open("a") as handle:
-        handle.write(f"- `{command}`: {names}\n")
+    line = f"- `{command}`: {names}\n"
+    if line not in readme.read_text().splitlines(keepends=True):
+        with readme.open("a") as handle:
+            handle.write(line)

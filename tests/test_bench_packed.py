@@ -70,7 +70,9 @@ def test_problems_and_attended_pairs(smoke) -> None:
 def test_writes_the_markdown_and_the_command(smoke) -> None:
     out = smoke[1]
     assert "| problem | method |" in (out / "packed.md").read_text()
-    assert "bench/packed.py --smoke" in (out / "README.md").read_text()
+    commands = [line for line in (out / "README.md").read_text().splitlines()
+                if "bench/packed.py --smoke" in line]
+    assert len(commands) == 1, commands  # once, though the files are rewritten after each problem
 
 
 def test_varlen_methods_take_packed_leaves_over_the_same_memory() -> None:
