@@ -2,9 +2,9 @@
 and the portable ``recompute`` (what ``schedule="auto"`` picks for packed sequences, by this
 measurement).
 
-    python bench/packed_paths.py
+    python bench/packed_paths.py [--head-dim 64]
 
-bf16, head dim 128, 16 heads, 16,384 packed tokens, causal, on four packings: three documents of
+bf16, head dim 128 (or 64, with 32 heads), 16,384 packed tokens, causal, on four packings: three documents of
 unequal length, four of 4096, one sequence, three of equal length. ``triton.testing.do_bench``
 medians of the backward alone (the forward is the portable one, run once); TFLOP/s count the
 attended pairs only (2.5 x 4 x H x D x pairs). Prints one line per packing.
@@ -12,28 +12,35 @@ attended pairs only (2.5 x 4 x H x D x pairs). Prints one line per packing.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import triton
 
 from dash_inductor.ops import catalog, packed
 from dash_inductor.ops.hopper.launch import varlen_backward as hopper_varlen_backward
 
-TOKENS, HEADS, DIM = 16384, 16, 128
+TOKENS, WIDTH = 16384, 2048  # WIDTH = heads x head dim
 PACKINGS = ([7429, 3667, 5288], [4096] * 4, [TOKENS], [5461, 5461, 5462])
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
+    head_dim = parser.parse_args().head_dim
+    heads = WIDTH // head_dim
+    print(f"head dim {head_dim}, {heads} heads", flush=True)
     for lens in PACKINGS:
         torch.manual_seed(0)
-        q, k, v, do = (torch.randn(TOKENS, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        q, k, v, do = (torch.randn(TOKENS, heads, head_dim, device="cuda", dtype=torch.bfloat16)
                        for _ in range(4))
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                           device="cuda")
-        longest, scale = max(lens), DIM ** -0.5
-        out, lse = torch.empty_like(q), torch.empty(HEADS, TOKENS, device="cuda")
+        longest, scale = max(lens), head_dim ** -0.5
+        out, lse = torch.empty_like(q), torch.empty(heads, TOKENS, device="cuda")
         packed.varlen_forward(q, k, v, cu, cu, longest, longest, out, lse, is_causal=True,
                               scale=scale, kernel="portable")
-        flops = 2.5 * 4 * HEADS * DIM * sum(n * (n + 1) // 2 for n in lens)
+        flops = 2.5 * 4 * heads * head_dim * sum(n * (n + 1) // 2 for n in lens)
         grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
         row = []
         for schedule in ("shift", "descending", "ascending", "atomic", "recompute"):
