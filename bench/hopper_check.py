@@ -1,6 +1,6 @@
 """Check and time the Hopper (sm90) backward against the portable kernels and SDPA, in one process.
 
-    python3 bench/hopper_check.py [--quick] [--out DIR]
+    python3 bench/hopper_check.py [--quick | --grid d64] [--out DIR]
 
 Accuracy: FlashAttention's rule (|ours - fp32 ref| <= 2 |torch same-dtype - ref| + 1e-3, the
 same-dtype reference computed in that dtype; ``dash_inductor.testing``) for every schedule on
@@ -145,6 +145,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="accuracy and a short timing only")
     parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--grid", choices=("default", "d64"), default="default",
+                        help="d64: the quick accuracy check, then head dim 64 at N = 4k, 8k and "
+                             "16k and GQA 4:1 (what an auto rule for head dim 64 needs)")
     parser.add_argument("--out", default=None, help="folder for hopper_check.json")
     args = parser.parse_args()
     started = time.time()
@@ -152,11 +155,15 @@ def main() -> int:
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     accuracy = [(2, 4, 2, 1000, 128), (2, 8, 8, 1024, 64)]
     timing = [(4, 16, 16, 4096, 128)]
-    if not args.quick:
+    full = not args.quick and args.grid == "default"
+    if full:
         accuracy += [(1, 2, 2, 300, 128), (1, 4, 1, 777, 64)]
         timing += [(4, 16, 4, 4096, 128), (1, 16, 16, 16384, 128), (4, 32, 32, 4096, 64)]
+    if args.grid == "d64":
+        timing = [(4, 32, 32, 4096, 64), (2, 32, 32, 8192, 64), (1, 32, 32, 16384, 64),
+                  (4, 32, 8, 4096, 64)]
     ok = check_accuracy(accuracy, log)
-    if not args.quick:
+    if full:
         ok &= check_bitwise([(2, 8, 8, 1024, 128), (1, 16, 4, 2048, 64)], args.repeats, log)
     rows = time_backward(timing, log)
     if args.out:
