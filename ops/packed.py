@@ -155,8 +155,8 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     n_q, n_kv = triton.cdiv(span_q, cfg.block_n), triton.cdiv(span_k, cfg.block_n)
     requested = resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, max(n_kv, 1), arch)
     _check_kernel(kernel)
-    # "auto" keeps the portable rule's schedule (recompute) here: on packed documents it beat
-    # every schedule of the Hopper kernel (H100, bench/packed_paths.py, docs/benchmarks.md).
+    # "auto" keeps the portable rule's schedule (recompute) here: on packed documents of unequal
+    # length no Hopper schedule beat it (H200, bench/packed_paths.py, docs/benchmarks.md).
     named = requested.name if schedule == AUTO else schedule
     path, reason, requested = choose_path(kernel, named, requested, q, k, v, None, is_causal,
                                           window)

@@ -91,8 +91,9 @@ def test_hopper_reads_any_layout_through_a_copy_with_the_same_values(batch):
 
 def test_packed_auto_stays_portable_and_named_ordered_schedules_take_hopper(hopper_takes_it,
                                                                             monkeypatch):
-    """On packed sequences the portable ``recompute`` beat every Hopper schedule (H100,
-    bench/packed_paths.py): "auto" runs it; a named ordered schedule runs on the Hopper kernel."""
+    """On packed documents of unequal length no Hopper schedule beat the portable ``recompute``
+    (H200, bench/packed_paths.py): "auto" runs it; a named ordered schedule runs on the Hopper
+    kernel."""
     from dash_inductor.ops import packed
     from dash_inductor.ops.hopper import launch
 
@@ -114,3 +115,22 @@ def test_packed_auto_stays_portable_and_named_ordered_schedules_take_hopper(hopp
     assert (plan.kernel, plan.schedule, plan.schedule_requested) == ("portable", "recompute",
                                                                      "auto")
     assert ran == ["shift"]
+
+
+@pytest.mark.parametrize("dim, seq, causal, expected", [
+    (128, 16384, False, "shift"), (64, 8192, False, "shift"), (64, 16384, True, "shift"),
+    (64, 16384, False, "ascending"), (64, 20000, False, "ascending")])
+def test_auto_on_hopper_is_shift_but_unmasked_d64_from_16k_keys(hopper_takes_it, dim, seq, causal,
+                                                                 expected):
+    """The measured rule (H200 d64 grid): ``ascending`` beat ``shift`` by 10% only on unmasked
+    head dim 64 from 16k keys; off the Hopper path ``auto`` stays the portable rule's."""
+    from dash_inductor.ops.backward import choose_path
+
+    q, k, v = (torch.empty(1, 2, seq, dim, device="meta") for _ in range(3))
+    portable = catalog.get("recompute")
+    path, reason, schedule = choose_path("auto", catalog.AUTO, portable, q, k, v, None, causal,
+                                         (-1, -1))
+    assert (path, reason, schedule.name) == (dispatch.HOPPER, None, expected)
+    path, _, schedule = choose_path("portable", catalog.AUTO, portable, q, k, v, None, causal,
+                                    (-1, -1))
+    assert (path, schedule.name) == (dispatch.PORTABLE, "recompute")

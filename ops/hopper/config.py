@@ -30,11 +30,18 @@ def forward_on_hopper(head_dim: int, seq_q: int, group: int) -> bool:
     """
     return head_dim == 128 and group == 1 and seq_q >= 4096
 
-#: What ``schedule="auto"`` resolves to where the Hopper path takes the inputs: ``shift`` was the
-#: fastest deterministic schedule at every point of the H100 table (docs/benchmarks.md; d128 4k
-#: full 466 against the portable ``recompute``'s 397 TFLOP/s, causal 413 against 353; d64 full a
-#: tie, 361 against 366). Elsewhere ``auto`` stays the portable ``recompute``.
-AUTO_ON_HOPPER = "shift"
+def auto_on_hopper(head_dim: int, causal: bool, seq_k: int) -> str:
+    """What ``schedule="auto"`` resolves to where the Hopper path takes the inputs.
+
+    ``shift`` was the fastest deterministic schedule at every point of the H100 table
+    (docs/benchmarks.md; d128 4k full 466 against the portable ``recompute``'s 397 TFLOP/s,
+    causal 413 against 353) and of the H200 head-dim-64 grid within 4%, except unmasked head dim
+    64 from 16k keys, where ``ascending`` ran 10% faster (H200, ``bench/hopper_check.py --grid
+    d64``, bench/results/2026-11-23-h200-7e2a517/: 398 against 363 TFLOP/s at 16k, 342 against
+    360 at 8k; ``bench/packed.py`` full 16k: 13.95 against 15.39 ms). Elsewhere ``auto`` stays
+    the portable ``recompute``.
+    """
+    return "ascending" if head_dim == 64 and not causal and seq_k >= 16384 else "shift"
 
 
 @dataclass(frozen=True)
