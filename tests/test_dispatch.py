@@ -117,20 +117,23 @@ def test_packed_auto_stays_portable_and_named_ordered_schedules_take_hopper(hopp
     assert ran == ["shift"]
 
 
-@pytest.mark.parametrize("dim, seq, causal, expected", [
-    (128, 16384, False, "shift"), (64, 8192, False, "shift"), (64, 16384, True, "shift"),
-    (64, 16384, False, "ascending"), (64, 20000, False, "ascending")])
+@pytest.mark.parametrize("dim, seq, causal, window, expected", [
+    (128, 16384, False, (-1, -1), "shift"), (64, 8192, False, (-1, -1), "shift"),
+    (64, 16384, True, (-1, -1), "shift"), (64, 8192, False, (300, 200), "ascending"),
+    (64, 16384, False, (-1, -1), "ascending"), (64, 20000, False, (-1, -1), "ascending")])
 def test_auto_on_hopper_is_shift_but_unmasked_d64_from_16k_keys(hopper_takes_it, dim, seq, causal,
-                                                                 expected):
+                                                                 window, expected):
     """The measured rule (H200 d64 grid): ``ascending`` beat ``shift`` by 10% only on unmasked
-    head dim 64 from 16k keys; off the Hopper path ``auto`` stays the portable rule's."""
-    from dash_inductor.ops.backward import choose_path
+    head dim 64 from 16k keys (a window runs shift's windowed fallback); off the Hopper path
+    ``auto`` stays the portable rule's."""
+    from dash_inductor.ops.backward import choose_path, window_fallback
 
     q, k, v = (torch.empty(1, 2, seq, dim, device="meta") for _ in range(3))
     portable = catalog.get("recompute")
     path, reason, schedule = choose_path("auto", catalog.AUTO, portable, q, k, v, None, causal,
-                                         (-1, -1))
-    assert (path, reason, schedule.name) == (dispatch.HOPPER, None, expected)
+                                         window)
+    assert (path, reason) == (dispatch.HOPPER, None)
+    assert window_fallback(schedule, causal, window)[0].name == expected
     path, _, schedule = choose_path("portable", catalog.AUTO, portable, q, k, v, None, causal,
                                     (-1, -1))
     assert (path, schedule.name) == (dispatch.PORTABLE, "recompute")

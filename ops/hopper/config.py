@@ -39,7 +39,8 @@ def auto_on_hopper(head_dim: int, causal: bool, seq_k: int) -> str:
     64 from 16k keys, where ``ascending`` ran 10% faster (H200, ``bench/hopper_check.py --grid
     d64``, bench/results/2026-11-23-h200-7e2a517/: 398 against 363 TFLOP/s at 16k, 342 against
     360 at 8k; ``bench/packed.py`` full 16k: 13.95 against 15.39 ms). Elsewhere ``auto`` stays
-    the portable ``recompute``.
+    the portable ``recompute``. (Under a window ``shift`` falls back to ``ascending`` or
+    ``descending`` anyway.)
     """
     return "ascending" if head_dim == 64 and not causal and seq_k >= 16384 else "shift"
 
