@@ -206,9 +206,10 @@ class Simulation:
         return [self.makespan - b for b in self.busy]
 
 
-def _run(plans: list[list[Step]], ordered: bool, c: float, r: float, t0: float = 0.0,
-         kind: str = "compute") -> Simulation:
-    """Longest-path times of the DAG: per program a chain of tasks, per Q tile a rank order."""
+def run_plans(plans: list[list[Step]], ordered: bool, c: float, r: float, t0: float = 0.0,
+              kind: str = "compute") -> Simulation:
+    """Longest-path times of the DAG: per program a chain of tasks (``plans``), per Q tile a rank
+    order (when ``ordered``); compute costs ``c``, each dQ add ``r``."""
     n = len(plans)
     clock, pos = [t0] * n, [0] * n
     computed: list[float | None] = [None] * n
@@ -278,11 +279,11 @@ def simulate(schedule: str, *, n_tiles: int, n_heads: int, programs: int, causal
     plans = program_plans(schedule, n_tiles=n_tiles, n_heads=n_heads, programs=programs,
                           causal=causal, group=group, n_q_tiles=n_q_tiles)
     if not catalog.get(schedule).separate_dq:
-        return _run(plans, catalog.is_ordered(schedule), c, r)
+        return run_plans(plans, catalog.is_ordered(schedule), c, r)
     n_q = n_tiles if n_q_tiles is None else n_q_tiles
-    kv_pass = _run(plans, False, c, 0.0)
+    kv_pass = run_plans(plans, False, c, 0.0)
     dq_plans = _dq_pass_plans(n_q, n_tiles, n_heads, programs, causal, group)
-    dq_pass = _run(dq_plans, False, c, 0.0, t0=kv_pass.makespan, kind="dq")
+    dq_pass = run_plans(dq_plans, False, c, 0.0, t0=kv_pass.makespan, kind="dq")
     return Simulation(dq_pass.makespan, [a + b for a, b in zip(kv_pass.busy, dq_pass.busy)],
                       [0.0] * programs, [a + b for a, b in zip(kv_pass.timelines, dq_pass.timelines)])
 
