@@ -5,9 +5,10 @@ measurement).
     python bench/packed_paths.py [--head-dim 64]
 
 bf16, head dim 128 with 16 heads (or 64 with 32), 16,384 packed tokens, causal, on four packings:
-three documents of unequal length, four of 4096, one sequence, three of equal length. ``triton.testing.do_bench``
-medians of the backward alone (the forward is the portable one, run once); TFLOP/s count the
-attended pairs only (2.5 x 4 x H x D x pairs). Prints one line per packing.
+three documents of unequal length, four of 4096, one sequence, three of equal length.
+``triton.testing.do_bench`` medians of the backward alone (the forward is the portable one, run
+once); TFLOP/s count the attended pairs only (2.5 x 4 x H x D x pairs). Prints one line per
+packing.
 """
 
 from __future__ import annotations

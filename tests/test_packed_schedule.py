@@ -20,9 +20,6 @@ packings = st.lists(st.integers(0, 9), min_size=1, max_size=5).filter(any)
        name=st.sampled_from(NAMES), pad=st.booleans())
 def test_every_needed_pair_once_with_the_ranks_of_its_sequence_alone(tiles, heads, programs, causal,
                                                                       name, pad):
-    if schedule.needs_coresident_head(name) and programs < max(
-            schedule.items_per_head(n, causal, name) for n in tiles if n):
-        programs = max(schedule.items_per_head(n, causal, name) for n in tiles if n)
     plans = packed_plans(name, tiles=tiles, n_heads=heads, programs=programs, causal=causal,
                          pad=pad)
     seen = Counter((s.head, s.q, s.kv) for plan in plans for s in plan)

@@ -104,7 +104,7 @@ def causal_order(keys, queries, k_lo, k_hi, q_lo, q_hi):
     """A tile's keys and queries (1-D) recoded so that ``key <= query`` holds exactly where both
     lie in the packed sequence (keys ``[k_lo, k_hi)``, queries ``[q_lo, q_hi)``) and the key is
     not after the query: the causal mask of a packed tile then costs one compare per element, as
-    a dense one does. Five tests per element made the packed causal kernel 12-25% slower
+    a dense one does. Five tests per element made the packed causal kernel 10-25% slower
     (docs/kernels-notes.md)."""
     OUTSIDE: gl.constexpr = 1 << 30  # beyond any tile coordinate
     key_at = gl.where((keys >= k_lo) & (keys < k_hi), keys, OUTSIDE)
