@@ -37,9 +37,7 @@ from .launch import (coresident_programs, cooperative_launch_supported, dot_prec
 from .plan import Plan
 from .tickets import add_in_turn, release_last
 from .dq_pass import launch_dq_pass, load_row_stats
-from .tiles import diagonal_origin, load_rows, mm, sequence_bounds, window_keep
-
-LOG2E = 1.4426950408889634
+from .tiles import LOG2E, diagonal_origin, load_rows, mm, sequence_bounds, window_keep
 
 
 @triton.jit

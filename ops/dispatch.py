@@ -4,7 +4,7 @@
 "portable" is the ``tl`` kernels of ``ops/``; "hopper" the sm90 Gluon family of ``ops/hopper/``,
 refused with the reason when it cannot take the inputs; "auto" takes the
 Hopper kernels where they measured faster than the portable ones (``hopper.config``:
-``forward_on_hopper`` for the forward, ``FASTER_ON_HOPPER`` for the backward schedules;
+``FORWARD_MIN_SEQ`` for the forward, ``FASTER_ON_HOPPER`` for the backward schedules;
 docs/kernels-notes.md, docs/benchmarks.md) and the portable kernels everywhere else, and says why.
 """
 
@@ -48,15 +48,14 @@ def select_kernel(kernel: str, op: str, q: torch.Tensor, k: torch.Tensor, v: tor
                          f"use kernel='auto' or 'portable'")
     if reason is not None:
         return PORTABLE, reason
-    from .hopper.config import FASTER_ON_HOPPER, forward_on_hopper
+    from .hopper.config import FASTER_ON_HOPPER, FORWARD_MIN_SEQ
 
     if kernel == HOPPER:
         return HOPPER, None
     if op == "forward":
-        if forward_on_hopper(q.shape[-1], q.shape[2], q.shape[1] // k.shape[1]):
+        if q.shape[2] >= FORWARD_MIN_SEQ:
             return HOPPER, None
-        return PORTABLE, ("the Hopper forward measured faster only at head dim 128 without GQA "
-                          "from N = 4096")
+        return PORTABLE, f"the Hopper forward measured faster only from N = {FORWARD_MIN_SEQ}"
     if schedule not in FASTER_ON_HOPPER:
         return PORTABLE, (f"schedule {schedule!r} measured faster on the portable kernels "
                           f"(the Hopper path is picked for {list(FASTER_ON_HOPPER)})")

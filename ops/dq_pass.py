@@ -13,10 +13,8 @@ import triton.language as tl
 
 from .configs import head_dim_bucket
 from .launch import dot_precision, mask_kind
-from .tiles import (key_tile_range, load_tile, masked_scores, mm, row_offset, sequence_rows,
-                    window_keep)
-
-LOG2E = 1.4426950408889634
+from .tiles import (LOG2E, key_tile_range, load_tile, masked_scores, mm, row_offset,
+                    sequence_rows, window_keep)
 
 
 @triton.jit

@@ -23,10 +23,8 @@ from .configs import arch_key, forward_config, head_dim_bucket
 from .dispatch import HOPPER, select_kernel
 from .launch import dot_precision, mask_kind
 from .plan import Plan
-from .tiles import (key_tile_range, load_tile, masked_scores, mm, row_offset, sequence_rows,
-                    window_keep)
-
-LOG2E = 1.4426950408889634
+from .tiles import (LN2, LOG2E, key_tile_range, load_tile, masked_scores, mm, row_offset,
+                    sequence_rows, window_keep)
 
 
 @triton.jit
@@ -139,7 +137,7 @@ def _attention_forward_kernel(
 
     seen = l_i != 0.0  # 0 only where no key was seen; NaN (a NaN or +inf score) stays NaN
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2,
                    float("-inf"))
     o_ptrs = OUT + o_base + offs_m[:, None] * stride_om + offs_ev[None, :] * stride_oe
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=(offs_m[:, None] < L) & (offs_ev[None, :] < EV))

@@ -11,6 +11,11 @@ Packed sequences (``VARLEN`` kernels) read their bounds from the offsets with ``
 import triton
 import triton.language as tl
 
+#: log2(e): scores times ``scale * LOG2E`` are in the exp2 domain the kernels' softmax runs in.
+LOG2E = 1.4426950408889634
+#: ln(2): turns a log2-domain logsumexp back into the natural-log one the op returns.
+LN2 = tl.constexpr(0.6931471805599453)
+
 
 @triton.jit
 def load_tile(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dash_inductor.ops.hopper.launch import packed_row_stats
+from dash_inductor.ops.tiles import LOG2E
 
-LOG2E = 1.4426950408889634
 
 
 @pytest.mark.parametrize("aligned", [False, True])

@@ -22,7 +22,7 @@ from .backward import backward_kernel
 from .forward import forward_kernel
 from ..catalog import NAMES
 from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
-                     backward_constexprs, forward_config, forward_constexprs)
+                     backward_constexprs, forward_constexprs)
 
 SM90 = GPUTarget("cuda", 90, 32)
 _GL_DTYPES = {"bf16": gl.bfloat16, "fp16": gl.float16}
@@ -65,9 +65,9 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
 def compile_forward(dtype: str, head_dim: int, causal: bool, group: int = 1,
                     cfg: HopperForwardConfig | None = None):
     """The compiled forward kernel for one variant, for sm90."""
-    cfg = cfg or forward_config(head_dim)
+    cfg = cfg or HopperForwardConfig()
     constexprs = forward_constexprs(causal, group, cfg)
-    q_block = _descriptor(dtype, [1, cfg.block_m, head_dim])
+    q_block = _descriptor(dtype, [1, cfg.block_m // 2, head_dim])
     kv_block = _descriptor(dtype, [1, cfg.block_n, head_dim])
     signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "o_desc": q_block,
                  "LSE": "*fp32", "L": "i32", "S": "i32", "HQ": "i32", "qk_scale": "fp32"}

@@ -20,15 +20,14 @@ HEAD_DIMS = (64, 128)
 #: critical path; ``recompute`` and ``atomic`` have no waits and stayed faster on the portable path.
 FASTER_ON_HOPPER = ORDERED
 
-def forward_on_hopper(head_dim: int, seq_q: int, group: int) -> bool:
-    """Whether ``kernel="auto"`` runs the forward on the Hopper path (where it takes the inputs).
+#: Shortest query length at which ``kernel="auto"`` runs the forward on the Hopper path (where it
+#: takes the inputs). Measured on an H100 (``bench/hopper_forward.py``, bf16, TFLOP/s Hopper /
+#: portable, one run; docs/benchmarks.md): faster from N = 4096 at both head dims, with and
+#: without GQA (d128 4k full 610 / 491, causal 549 / 432, GQA 4:1 598 / 461, 16k full 599 / 424;
+#: d64 4k full 445 / 428, causal 395 / 375). At N = 1024 one kernel's timings varied by 1.5x
+#: between runs, so the portable forward stays there.
+FORWARD_MIN_SEQ = 4096
 
-    Measured on an H100 (``bench/hopper_forward.py``, bench/results/2026-11-23-h100-a8f3a01/,
-    bf16, TFLOP/s Hopper / portable): faster at head dim 128 without GQA from N = 4096 (4k full
-    488 / 459, causal 441 / 429, 16k full 504 / 476, causal 506 / 467); slower at head dim 64
-    (353 / 419), with GQA 4:1 unmasked (493 / 514) and at N = 1024 (376 / 406).
-    """
-    return head_dim == 128 and group == 1 and seq_q >= 4096
 
 def auto_on_hopper(head_dim: int, causal: bool, seq_k: int) -> str:
     """What ``schedule="auto"`` resolves to where the Hopper path takes the inputs.
@@ -81,26 +80,27 @@ def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
 
 @dataclass(frozen=True)
 class HopperForwardConfig:
-    """Tile shape of the warp-specialized forward: ``block_m`` query rows per program (64 per
-    warpgroup of the softmax partition), ``block_n`` keys per KV tile, ``stages`` K/V buffers."""
+    """Tile shape of the warp-specialized forward: ``block_m`` query rows per program (half for each
+    of the two softmax warpgroups), ``block_n`` keys per KV tile, ``stages`` K/V buffers;
+    registers per worker partition (setmaxnreg); ``num_warps`` of each softmax partition.
+
+    Three K/V stages fit beside the Q tile at both head dims (224 KiB at 128) and measured faster
+    than two (H100, d128 4k full 610 against 546 TFLOP/s, causal 549 against 469; d64 4k causal
+    395 against 370)."""
 
     block_m: int = 128
     block_n: int = 128
-    stages: int = 2
+    stages: int = 3
+    softmax_regs: int = 240
     load_regs: int = 24
-    num_warps: int = 8
-
-
-def forward_config(head_dim: int) -> HopperForwardConfig:
-    """The static forward config for a head dim: head dim 64 has the shared memory for a third
-    K/V stage."""
-    return HopperForwardConfig(stages=3 if head_dim == 64 else 2)
+    num_warps: int = 4
 
 
 def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig) -> dict[str, object]:
     """The forward kernel's compile-time arguments for one launch."""
     return dict(GROUP=group, CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                STAGES=cfg.stages, LOAD_REGS=cfg.load_regs, num_warps=cfg.num_warps)
+                STAGES=cfg.stages, SOFTMAX_REGS=cfg.softmax_regs,
+                LOAD_REGS=cfg.load_regs, num_warps=cfg.num_warps)
 
 
 def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,

@@ -19,14 +19,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import catalog
-from ..backward import LOG2E, compute_delta, fit_schedule, window_fallback
+from ..backward import compute_delta, fit_schedule, window_fallback
 from ..dq_pass import launch_dq_pass
+from ..tiles import LOG2E
 from ..configs import backward_config as portable_backward_config
 from ..launch import watch_spin_flag
 from ..plan import Plan
 from .backward import backward_kernel
 from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
-                     backward_constexprs, forward_config, forward_constexprs)
+                     backward_constexprs, forward_constexprs)
 from .forward import forward_kernel
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -139,7 +140,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     what ran. The caller checked :func:`unsupported_reason`."""
     batch, hq, seq_q, head_d = q.shape
     hkv, seq_k = k.shape[1], k.shape[2]
-    cfg = cfg or forward_config(head_d)
+    cfg = cfg or HopperForwardConfig()
     grid = (triton.cdiv(seq_q, cfg.block_m), batch * hq)
     if not _mergeable(out):  # written by TMA: through a contiguous buffer
         staged = torch.empty(out.shape, device=out.device, dtype=out.dtype)
@@ -155,8 +156,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
         lse.fill_(float("-inf"))
         return Plan("forward", "hopper", kernel_reason, None, None, None, (), cfg)
     forward_kernel[grid](
-        _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
-        _descriptor(out, cfg.block_m), lse, seq_q, seq_k, hq, scale * LOG2E,
+        _descriptor(q, cfg.block_m // 2), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+        _descriptor(out, cfg.block_m // 2), lse, seq_q, seq_k, hq, scale * LOG2E,
         **forward_constexprs(is_causal, hq // hkv, cfg))
     return Plan("forward", "hopper", kernel_reason, None, None, None, grid, cfg)
 
