@@ -6,7 +6,8 @@ Accuracy: FlashAttention's rule (|ours - fp32 ref| <= 2 |torch same-dtype - ref|
 same-dtype reference computed in that dtype; ``dash_inductor.testing``) for every schedule on
 uneven and GQA shapes; determinism: bitwise equal gradients over repeats for every
 deterministic schedule; timing: backward TFLOP/s (2.5x the forward's 4*B*H*N^2*D, halved when
-causal) for each schedule against the portable kernels and SDPA (cuDNN, determinism off).
+causal) for each schedule against the portable kernels, SDPA (cuDNN with determinism off, and
+PyTorch's deterministic backward) and FlexAttention (compiled, causal block mask where causal).
 """
 
 from __future__ import annotations
@@ -110,6 +111,19 @@ def bench_tflops(fn, shape, causal, passes=2.5):
     return flops / (triton.testing.do_bench(fn, return_mode="median") * 1e-3) / 1e12
 
 
+def _flex(q, k, v, causal):
+    """FlexAttention's output, compiled once per shape (its backward is what is timed)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mask = None
+    if causal:
+        mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
+                                 q.shape[2], k.shape[2], device=q.device)
+    torch._dynamo.reset()  # it compiles per shape; stay under the recompile limit
+    flex = torch.compile(flex_attention, dynamic=False)
+    return flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def time_backward(shapes, log):
     """Backward TFLOP/s of every column on every shape; all in this one process and GPU."""
     rows = []
@@ -135,6 +149,9 @@ def time_backward(shapes, log):
                 row[name] = bench_tflops(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True),
                                    shape, causal)
                 torch.use_deterministic_algorithms(False)
+            o = _flex(qg, kg, vg, causal)
+            row["flex"] = bench_tflops(
+                lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True), shape, causal)
             rows.append(row)
             log(f"tflops {shape} causal={causal} " + "  ".join(
                 f"{key}={val:.0f}" for key, val in row.items() if isinstance(val, float)))
