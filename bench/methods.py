@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
@@ -290,3 +290,19 @@ def measure(prepared: Prepared, inputs: tuple[Tensor, Tensor, Tensor, Tensor], *
 
 def tflops(flops: float, ms: float | None) -> float | None:
     return None if ms is None or ms <= 0 else flops / ms / 1e9
+
+
+def top_kernels(step: Callable[[], None], device: str, count: int = 12) -> dict[str, Any]:
+    """One profiled ``step``: its ``count`` kernels with the most device time ("top") and the
+    device time of all its kernels ("total_ms"; against the step's wall time, the idle share)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        step()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0 or device != "cuda"]
+    key = (lambda e: e.device_time_total) if device == "cuda" else (lambda e: e.self_cpu_time_total)
+    top = [{"name": e.key[:120], "calls": e.count, "ms": key(e) / 1e3}
+           for e in sorted(events, key=key, reverse=True)[:count]]
+    self_time = (lambda e: e.self_device_time_total) if device == "cuda" else key
+    return {"total_ms": sum(self_time(e) for e in events) / 1e3, "top": top}

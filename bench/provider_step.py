@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 import dash_inductor  # noqa: E402
 import outdir  # noqa: E402
-from methods import determinism  # noqa: E402
+from methods import determinism, top_kernels  # noqa: E402
 from dash_inductor import integrations, library  # noqa: E402
 
 #: name -> (attn_implementation, deterministic algorithms, "DASH" provider active)
@@ -162,14 +162,13 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
         integrations.reset_counts()
         times = [time_ms(step) for _ in range(args.steps)]
         plans = sorted({_plan(p) for p in library.last_plans()})
-        top = _top_kernels(step, args.device) if args.profile else []
+        counts = dict(integrations.routes.counts)  # of the timed steps, before a profiled one
+        top = top_kernels(step, args.device)["top"] if args.profile else []
     dash_calls = {integration: n / args.steps
-                  for (integration, reason), n in integrations.routes.counts.items()
-                  if reason is None}
+                  for (integration, reason), n in counts.items() if reason is None}
     plans = plans if dash_calls else []  # the plans kept are those of an earlier variant
     fallbacks = {f"{integration}: {reason}": n
-                 for (integration, reason), n in integrations.routes.counts.items()
-                 if reason is not None}
+                 for (integration, reason), n in counts.items() if reason is not None}
     row.update(status="ok", step_ms=statistics.median(times), step_ms_all=times,
                dash_calls_per_step=dash_calls, fallbacks=fallbacks, dash_plans=plans,
                top_kernels=top)
@@ -182,19 +181,6 @@ def _plan(plan) -> str:
     """One launch plan as "op: kernel path, schedule (why not the fastest path)"."""
     text = f"{plan.op}: {plan.kernel}" + (f", {plan.schedule}" if plan.schedule else "")
     return text + (f" ({plan.kernel_reason})" if plan.kernel_reason else "")
-
-
-def _top_kernels(step: Callable[[], None], device: str, count: int = 12) -> list[dict[str, Any]]:
-    """The ``count`` kernels with the most device time in one profiled step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        step()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0 or device != "cuda"]
-    key = (lambda e: e.device_time_total) if device == "cuda" else (lambda e: e.self_cpu_time_total)
-    return [{"name": e.key[:120], "calls": e.count, "ms": key(e) / 1e3}
-            for e in sorted(events, key=key, reverse=True)[:count]]
 
 
 def _calls(per_step: dict[str, float]) -> str:

@@ -47,8 +47,9 @@ GIB = 1024 ** 3
 
 
 def time_training(cfg: DemoConfig, deterministic: bool, rewrite: str, warmup: int,
-                  record_sites: bool) -> dict[str, Any]:
-    """Compile and train ``cfg``'s model; median step time after ``warmup`` steps, peak memory."""
+                  record_sites: bool, profile: bool = False) -> dict[str, Any]:
+    """Compile and train ``cfg``'s model; median step time after ``warmup`` steps, peak memory,
+    and with ``profile`` the kernels with the most device time in one more step."""
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     model = make_model(cfg)
@@ -58,12 +59,15 @@ def time_training(cfg: DemoConfig, deterministic: bool, rewrite: str, warmup: in
     tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), device=cfg.device,
                            generator=generator)
 
-    def step() -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    def train() -> None:
         compiled(tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    def step() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        train()
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
@@ -77,9 +81,11 @@ def time_training(cfg: DemoConfig, deterministic: bool, rewrite: str, warmup: in
             step()
         torch.cuda.reset_peak_memory_stats()
         times = [step() for _ in range(cfg.steps)]
+        peak = torch.cuda.max_memory_allocated() / GIB
+        kernels = m.top_kernels(train, "cuda", count=15) if profile else None
     rewritten, _ = describe_sites(sites) if record_sites else (None, [])
     result = {"step_ms": 1e3 * statistics.median(times), "step_ms_all": [1e3 * t for t in times],
-              "peak_memory_gib": torch.cuda.max_memory_allocated() / GIB, "rewritten": rewritten}
+              "peak_memory_gib": peak, "rewritten": rewritten, "kernels": kernels}
     return result
 
 
@@ -133,6 +139,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="query heads per KV head in every other layer (default 1: no GQA)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing (compiles)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step per variant: its costliest kernels")
     args = parser.parse_args(argv)
     if args.quick:
         args.seqs, args.layers, args.steps, args.warmup = "2048", 2, 3, 2
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"seq": seq, "batch": cfg.batch, "variant": name}
             try:
                 row.update(time_training(cfg, deterministic, rewrite, args.warmup,
-                                         record_sites=rewrite != "off"))
+                                         record_sites=rewrite != "off", profile=args.profile))
                 note = f"N={seq} {name}: {row['step_ms']:.1f} ms"
             except Exception as error:  # record and go on
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
@@ -201,7 +209,9 @@ def print_results(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) -> N
             ratio = f" ({r['step_ms'] / off:.2f}x)" if off else ""
             sites = f", {r['rewritten']} attention calls rewritten" if r.get("rewritten") is not None \
                 else ""
-            cells.append(f"{name}: {r['step_ms']:.1f} ms{ratio}, {r['peak_memory_gib']:.2f} GiB{sites}")
+            kernels = f", kernels {r['kernels']['total_ms']:.1f} ms" if r.get("kernels") else ""
+            cells.append(f"{name}: {r['step_ms']:.1f} ms{ratio}, {r['peak_memory_gib']:.2f} GiB"
+                         f"{sites}{kernels}")
         print(f"N={seq}:\n  " + "\n  ".join(cells))
     print("\nOne causal attention forward+backward: peak memory beyond its inputs")
     for r in memory:
@@ -231,6 +241,13 @@ def render_markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[di
         ratios = [f"{times[n] / off:.2f}" if times[n] and off else "—"
                   for n in ("dash (determinism on)", "SDPA (determinism on)")]
         lines.append(f"| {seq} | " + " | ".join(cells + ratios) + " |")
+    for r in rows:
+        if r.get("kernels"):
+            lines += ["", f"Costliest kernels of one step, N = {r['seq']}, {r['variant']} (all "
+                      f"kernels: {r['kernels']['total_ms']:.1f} ms of device time):", "",
+                      "| kernel | calls | ms |", "|---|---|---|"]
+            lines += [f"| `{k['name']}` | {k['calls']} | {k['ms']:.2f} |"
+                      for k in r["kernels"]["top"]]
     lines += ["", "Peak memory of one causal attention forward+backward beyond its inputs:", "",
               "| N | method | backend | extra MiB | / size of q |", "|---|---|---|---|---|"]
     for r in memory:

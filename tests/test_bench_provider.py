@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("provider_step")
     done = subprocess.run([sys.executable, "bench/provider_step.py", "--smoke", "--device", "cpu",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                           "--profile", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
@@ -37,6 +37,9 @@ def test_every_variant_is_timed_or_says_why(smoke: Path) -> None:
         assert math.isfinite(row["step_ms"]) and row["step_ms"] > 0 and row["fallbacks"] == {}
     assert rows["SDPA, determinism on"]["dash_calls_per_step"] == {}
     assert rows['HF "dash", determinism on']["dash_calls_per_step"] == {"hf": 2}  # 2 layers
+    for row in rows.values():  # --profile: the costliest ops of one step, costliest first
+        costs = [k["ms"] for k in row["top_kernels"]]
+        assert costs and costs == sorted(costs, reverse=True) and costs[0] > 0
 
 
 def test_markdown_table_and_the_command_are_written(smoke: Path) -> None:
@@ -45,4 +48,4 @@ def test_markdown_table_and_the_command_are_written(smoke: Path) -> None:
     assert '| HF "dash", determinism on |' in table and "| hf 2 |" in table
     assert "1.00x" in table  # the baseline row against itself
     readme = (smoke / "README.md").read_text()
-    assert "`python bench/provider_step.py --smoke --device cpu --out " in readme
+    assert "`python bench/provider_step.py --smoke --device cpu --profile --out " in readme
