@@ -53,9 +53,11 @@ def select_kernel(kernel: str, op: str, q: torch.Tensor, k: torch.Tensor, v: tor
     if kernel == HOPPER:
         return HOPPER, None
     if op == "forward":
-        if q.shape[2] >= FORWARD_MIN_SEQ:
+        shortest = FORWARD_MIN_SEQ[q.shape[-1]]
+        if q.shape[2] >= shortest:
             return HOPPER, None
-        return PORTABLE, f"the Hopper forward measured faster only from N = {FORWARD_MIN_SEQ}"
+        return PORTABLE, (f"the Hopper forward measured faster at head dim {q.shape[-1]} only "
+                          f"from N = {shortest}")
     if schedule not in FASTER_ON_HOPPER:
         return PORTABLE, (f"schedule {schedule!r} measured faster on the portable kernels "
                           f"(the Hopper path is picked for {list(FASTER_ON_HOPPER)})")

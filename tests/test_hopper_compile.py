@@ -81,3 +81,20 @@ def test_forward_compiles_for_sm90(variants, dtype, head_dim, causal):
     assert row["dq_adds"] == 0 and row["ticket_release"] == 0
     assert row["shared"] <= 227 * 1024
     assert row["wgmma_serialized"] == 0 and row["spill_store_bytes"] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_launcher_describes_the_boxes_the_offline_compile_builds(dtype):
+    """The launcher's cached shared layouts are those the offline compile (and Gluon) derive."""
+    import torch
+    from triton.experimental.gluon import language as gl
+
+    from dash_inductor.ops.hopper import launch
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    for block in ((1, 64, 128), (1, 128, 64), (1, 64, 64)):
+        layout = launch._shared_layout(block, torch_dtype)
+        assert f"tensordesc<{dtype}{list(block)},{layout!r}>" == aot._descriptor(dtype, list(block))
+        assert launch._shared_layout(block, torch_dtype) is layout  # built once
+    stats = launch._shared_layout((64,), torch.float32)
+    assert stats == gl.NVMMASharedLayout.get_default_for([64], gl.float32)

@@ -20,13 +20,13 @@ HEAD_DIMS = (64, 128)
 #: critical path; ``recompute`` and ``atomic`` have no waits and stayed faster on the portable path.
 FASTER_ON_HOPPER = ORDERED
 
-#: Shortest query length at which ``kernel="auto"`` runs the forward on the Hopper path (where it
-#: takes the inputs). Measured on an H100 (``bench/hopper_forward.py``, bf16, TFLOP/s Hopper /
-#: portable, one run; docs/benchmarks.md): faster from N = 4096 at both head dims, with and
-#: without GQA (d128 4k full 610 / 491, causal 549 / 432, GQA 4:1 598 / 461, 16k full 599 / 424;
-#: d64 4k full 445 / 428, causal 395 / 375). At N = 1024 one kernel's timings varied by 1.5x
-#: between runs, so the portable forward stays there.
-FORWARD_MIN_SEQ = 4096
+#: Per head dim, the shortest query length from which ``kernel="auto"`` runs the forward on the
+#: Hopper path (where it takes the inputs). Measured on an H100 (bf16, TFLOP/s Hopper / portable;
+#: ``bench/hopper_forward.py`` and docs/benchmarks.md for 4k and 16k): at head dim 128 faster from
+#: N = 2048 (2k full 553 / 460, causal 459 / 378; 4k full 627 / 461; at 1k the gains varied from
+#: -6% to +28% between runs); at head dim 64 faster from 4096 (4k full 446 / 426, causal
+#: 396 / 387), even at N = 4095 (427 / 427, 370 / 360), slower at 2048 (409 / 416, 333 / 344).
+FORWARD_MIN_SEQ = {64: 4096, 128: 2048}
 
 
 def auto_on_hopper(head_dim: int, causal: bool, seq_k: int) -> str:

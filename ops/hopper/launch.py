@@ -68,13 +68,21 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The swizzled shared-memory layout of a TMA box (cached: building it is pure Python that
+    every launch would otherwise pay again, for each descriptor, on the host)."""
+    gl_dtype = gl.float32 if dtype == torch.float32 else _GL_DTYPES[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A rank-3 TMA descriptor over (B*H, N, D) for ``rows`` x D boxes."""
     b, h, n, d = t.shape
     view = t.as_strided((b * h, n, d), (t.stride(1), t.stride(2), 1))
-    block = [1, rows, d]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
+    block = (1, rows, d)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), list(block),
+                            _shared_layout(block, t.dtype))
 
 
 def _lse2(lse: torch.Tensor, heads: int, seq: int) -> torch.Tensor:
@@ -128,8 +136,7 @@ def packed_row_stats(lse: torch.Tensor, delta: torch.Tensor, cu_seq_q: torch.Ten
 
 def _row_descriptor(row: torch.Tensor, block: int) -> TensorDescriptor:
     """A rank-1 TMA descriptor over one row of :func:`_row_stats`, for ``block``-element boxes."""
-    layout = gl.NVMMASharedLayout.get_default_for([block], gl.float32)
-    return TensorDescriptor(row, list(row.shape), [1], [block], layout)
+    return TensorDescriptor(row, list(row.shape), [1], [block], _shared_layout((block,), row.dtype))
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
