@@ -74,22 +74,24 @@ def test_hopper_refused_with_the_reason_on_cpu():
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_hopper_reads_any_layout_through_a_copy_with_the_same_values(batch):
-    """A model's (B, L, H, D) views cannot be read as (B*H, L, D) once B > 1: the Hopper launcher
-    copies them (the path, and so the bits, never depend on the layout or the batch size);
-    tensors it can read are passed through untouched."""
+def test_hopper_reads_model_layouts_in_place_and_copies_only_what_tma_cannot_read(batch):
+    """Rank-4 descriptors read a model's (B, L, H, D) views as they are, at any batch size; a
+    misaligned view or a stride TMA cannot take is copied, with the same values (so the path, and
+    the bits, never depend on the layout or the batch size)."""
     from dash_inductor.ops.hopper.launch import tma_readable
 
     contiguous = torch.randn(batch, 4, 32, 64, dtype=torch.bfloat16)
     transposed = torch.randn(batch, 32, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
-    assert tma_readable(contiguous) is contiguous
-    readable = tma_readable(transposed)
-    assert (readable is transposed) == (batch == 1)
-    assert torch.equal(readable, transposed) and readable.stride()[-1] == 1
+    fused = torch.randn(batch, 32, 3, 4, 64, dtype=torch.bfloat16)[:, :, 1].transpose(1, 2)
+    for t in (contiguous, transposed, fused):
+        assert tma_readable(t) is t
     misaligned = torch.randn(batch * 4 * 32 * 64 + 1, dtype=torch.bfloat16)[1:].view(
         batch, 4, 32, 64)
-    assert tma_readable(misaligned) is not misaligned
-    assert torch.equal(tma_readable(misaligned), misaligned)
+    odd_rows = torch.randn(batch, 4, 32, 68, dtype=torch.bfloat16)[..., :64]  # 136-byte rows
+    broadcast = torch.randn(1, 1, 32, 64, dtype=torch.bfloat16).expand(batch, 4, 32, 64)
+    for t in (misaligned, odd_rows, broadcast):
+        readable = tma_readable(t)
+        assert readable is not t and readable.is_contiguous() and torch.equal(readable, t)
 
 
 def test_packed_auto_stays_portable_and_named_ordered_schedules_take_hopper(hopper_takes_it,

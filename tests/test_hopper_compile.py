@@ -92,7 +92,7 @@ def test_the_launcher_describes_the_boxes_the_offline_compile_builds(dtype):
     from dash_inductor.ops.hopper import launch
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    for block in ((1, 64, 128), (1, 128, 64), (1, 64, 64)):
+    for block in ((1, 1, 64, 128), (1, 1, 128, 64), (1, 1, 64, 64)):
         layout = launch._shared_layout(block, torch_dtype)
         assert f"tensordesc<{dtype}{list(block)},{layout!r}>" == aot._descriptor(dtype, list(block))
         assert launch._shared_layout(block, torch_dtype) is layout  # built once

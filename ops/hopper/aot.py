@@ -40,8 +40,8 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
     cfg = cfg or backward_config(head_dim, causal)
     constexprs = backward_constexprs(schedule, causal, group, even_s and not varlen, cfg, window,
                                      varlen)
-    q_block = _descriptor(dtype, [1, cfg.block_m, head_dim])
-    kv_block = _descriptor(dtype, [1, cfg.block_n, head_dim])
+    q_block = _descriptor(dtype, [1, 1, cfg.block_m, head_dim])
+    kv_block = _descriptor(dtype, [1, 1, cfg.block_n, head_dim])
     stats_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m], gl.float32)
     stats_block = f"tensordesc<fp32[{cfg.block_m}],{stats_layout!r}>"
     signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "do_desc": q_block,
@@ -67,8 +67,8 @@ def compile_forward(dtype: str, head_dim: int, causal: bool, group: int = 1,
     """The compiled forward kernel for one variant, for sm90."""
     cfg = cfg or HopperForwardConfig()
     constexprs = forward_constexprs(causal, group, cfg)
-    q_block = _descriptor(dtype, [1, cfg.block_m // 2, head_dim])
-    kv_block = _descriptor(dtype, [1, cfg.block_n, head_dim])
+    q_block = _descriptor(dtype, [1, 1, cfg.block_m // 2, head_dim])
+    kv_block = _descriptor(dtype, [1, 1, cfg.block_n, head_dim])
     signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "o_desc": q_block,
                  "LSE": "*fp32", "L": "i32", "S": "i32", "HQ": "i32", "qk_scale": "fp32"}
     signature.update({name: "constexpr" for name in constexprs})
@@ -79,8 +79,8 @@ def compile_forward(dtype: str, head_dim: int, causal: bool, group: int = 1,
 
 _PTX_FEATURES = {
     "wgmma": r"wgmma\.mma_async",
-    "tma_loads": r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global",
-    "tma_stores": r"cp\.async\.bulk\.tensor\.3d\.global\.shared::",
+    "tma_loads": r"cp\.async\.bulk\.tensor\.[34]d\.shared::\w+\.global",
+    "tma_stores": r"cp\.async\.bulk\.tensor\.[34]d\.global\.shared::",
     "setmaxnreg_inc": r"setmaxnreg\.inc",
     "setmaxnreg_dec": r"setmaxnreg\.dec",
     "dq_adds": r"red\.global\.gpu\.relaxed\.add\.v4\.f32",

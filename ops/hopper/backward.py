@@ -59,7 +59,7 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
         b, hkv, item = walk.work_head(work, items_per_head, HKV)
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
-        kv_head = hkv if VARLEN else b * HKV + hkv
+        batch = walk.tma_batch(b, VARLEN)
         stats_shift = walk.stats_shift(b, q_start, q_lo, STATS_START, VARLEN)
         for slot in range(NUM_SLOTS):
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
@@ -67,14 +67,16 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                 mbarrier.wait(kv_empty, (tile & 1) ^ 1)
                 mbarrier.expect(kv_ready, tile_bytes)
                 key0 = k_start + kv * BLOCK_N
-                tma_load(k_desc, [kv_head, key0, 0], kv_ready, k_smem.reshape([1, BLOCK_N, HEAD_D]))
-                tma_load(v_desc, [kv_head, key0, 0], kv_ready, v_smem.reshape([1, BLOCK_N, HEAD_D]))
+                tma_load(k_desc, [batch, hkv, key0, 0], kv_ready,
+                         k_smem.reshape([1, 1, BLOCK_N, HEAD_D]))
+                tma_load(v_desc, [batch, hkv, key0, 0], kv_ready,
+                         v_smem.reshape([1, 1, BLOCK_N, HEAD_D]))
                 tile += 1
                 first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
                                             WINDOW)
                 for g in range(GROUP):
-                    q_head, row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride,
-                                                      VARLEN)
+                    q_head = hkv * GROUP + g
+                    row_base = walk.head_rows(b, q_head, HQ, q_start, row_stride, VARLEN)
                     for step in range(count * NSUB):
                         _, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
                                                        tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,
@@ -85,10 +87,10 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                             bar = q_ready.index(s)
                             mbarrier.expect(bar, step_bytes)
                             packed_row = q_start + row0
-                            tma_load(q_desc, [q_head, packed_row, 0], bar,
-                                      q_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
-                            tma_load(do_desc, [q_head, packed_row, 0], bar,
-                                      do_bufs.index(s).reshape([1, BLOCK_M, HEAD_D]))
+                            tma_load(q_desc, [batch, q_head, packed_row, 0], bar,
+                                     q_bufs.index(s).reshape([1, 1, BLOCK_M, HEAD_D]))
+                            tma_load(do_desc, [batch, q_head, packed_row, 0], bar,
+                                     do_bufs.index(s).reshape([1, 1, BLOCK_M, HEAD_D]))
                             stats_row = row_base + stats_shift + row0
                             tma_load(lse_desc, [stats_row], bar, lse_bufs.index(s))
                             tma_load(delta_desc, [stats_row], bar, delta_bufs.index(s))
@@ -126,8 +128,7 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
                 first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
                                             WINDOW)
                 for g in range(GROUP):
-                    _, row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride,
-                                                 VARLEN)
+                    row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride, VARLEN)
                     for step in range(count * NSUB):
                         qt, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
                                                         tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,
@@ -355,13 +356,14 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, D
                     LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
-    Dense: descriptors over (B * heads, rows, D), row stats and DQACC over (B * Hq, row_stride).
-    VARLEN: descriptors over (heads, T, D) of the packed tensors, DQACC and TICKETS over
+    Dense: rank-4 descriptors over (B, heads, rows, D) in the tensors' own strides, row stats and
+    DQACC over (B * Hq, row_stride). VARLEN: descriptors over (1, heads, T, D) views of the packed
+    tensors, DQACC and TICKETS over
     (Hq, row_stride) by packed row, the stats over (Hq, row_stride) with sequence b's rows from
     STATS_START[b]; batch entry b is sequence b of the offsets CU_Q, CU_K (L, S: totals).
     """
     dtype: gl.constexpr = q_desc.dtype
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)

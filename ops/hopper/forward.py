@@ -30,9 +30,9 @@ from .primitives import partition_barrier, tma_load, tma_store
 
 
 @gluon.jit
-def _tile_coords(L, S, HQ, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _tile_coords(S, HQ, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  CAUSAL: gl.constexpr):
-    """(Q tile, row of (b*Hq) in Q, row of (b*Hkv) in K/V, KV tiles to visit) of this program.
+    """(Q tile, batch entry, query head, KV head, KV tiles to visit) of this program.
 
     Causal programs take the Q tiles from the last (the longest walk) to the first, so the long
     ones start in the first wave."""
@@ -40,35 +40,34 @@ def _tile_coords(L, S, HQ, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: 
     if CAUSAL:
         m = gl.num_programs(0) - 1 - m
     bh = gl.program_id(1)
-    bh_kv = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
     keys = S
     if CAUSAL:
         keys = gl.minimum((m + 1) * BLOCK_M, S)
-    return m, bh, bh_kv, gl.cdiv(keys, BLOCK_N)
+    return m, bh // HQ, bh % HQ, (bh % HQ) // GROUP, gl.cdiv(keys, BLOCK_N)
 
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
-                    kv_empty, L, S, HQ, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                    kv_empty, S, HQ, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                     BLOCK_M: gl.constexpr):
     STAGES: gl.constexpr = k_bufs.shape[0]
     HALF_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
     HEAD_D: gl.constexpr = q_bufs.shape[2]
-    m, bh, bh_kv, n_tiles = _tile_coords(L, S, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    m, b, h, h_kv, n_tiles = _tile_coords(S, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
     for half in gl.static_range(2):
-        tma_load(q_desc, [bh, m * BLOCK_M + half * HALF_M, 0], q_ready,
-                 q_bufs.index(half).reshape([1, HALF_M, HEAD_D]))
+        tma_load(q_desc, [b, h, m * BLOCK_M + half * HALF_M, 0], q_ready,
+                 q_bufs.index(half).reshape([1, 1, HALF_M, HEAD_D]))
     for j in range(n_tiles):
         s = j % STAGES
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma_load(k_desc, [bh_kv, j * BLOCK_N, 0], k_ready.index(s),
-                 k_bufs.index(s).reshape([1, BLOCK_N, HEAD_D]))
+        tma_load(k_desc, [b, h_kv, j * BLOCK_N, 0], k_ready.index(s),
+                 k_bufs.index(s).reshape([1, 1, BLOCK_N, HEAD_D]))
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma_load(v_desc, [bh_kv, j * BLOCK_N, 0], v_ready.index(s),
-                 v_bufs.index(s).reshape([1, BLOCK_N, HEAD_D]))
+        tma_load(v_desc, [b, h_kv, j * BLOCK_N, 0], v_ready.index(s),
+                 v_bufs.index(s).reshape([1, 1, BLOCK_N, HEAD_D]))
 
 
 @gluon.jit
@@ -103,7 +102,7 @@ def _softmax_partition(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_emp
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     q_smem = q_bufs.index(HALF)
-    m, bh, bh_kv, n_tiles = _tile_coords(L, S, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    m, b, h, _, n_tiles = _tile_coords(S, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
     row0 = m * BLOCK_M + HALF * HALF_M
     rows = row0 + gl.arange(0, HALF_M, layout=row_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -151,9 +150,9 @@ def _softmax_partition(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_emp
     q_smem.store(out.to(dtype))  # this half of Q is no longer read: it stages O for the TMA store
     fence_async_shared()
     partition_barrier()
-    tma_store(o_desc, [bh, row0, 0], q_smem.reshape([1, HALF_M, HEAD_D]))
+    tma_store(o_desc, [b, h, row0, 0], q_smem.reshape([1, 1, HALF_M, HEAD_D]))
     lse = (m_i * qk_scale + gl.log2(l_i)) * LN2
-    gl.store(LSE + bh.to(gl.int64) * L + rows, lse, mask=rows < L)
+    gl.store(LSE + (b * HQ + h).to(gl.int64) * L + rows, lse, mask=rows < L)
     tma.store_wait(0)
 
 
@@ -164,10 +163,11 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, L, S, HQ, qk_scale,
                    SOFTMAX_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
     """O and the natural-log logsumexp of one Q tile of one (batch, head); see the module doc.
 
-    ``q_desc``/``o_desc`` boxes hold half a Q tile (one warpgroup's rows)."""
+    The descriptors are rank 4, over (B, H, N, D) in the tensors' own strides; ``q_desc`` and
+    ``o_desc`` boxes hold half a Q tile (one warpgroup's rows)."""
     dtype: gl.constexpr = q_desc.dtype
-    HALF_M: gl.constexpr = q_desc.block_type.shape[1]
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[2]
+    HALF_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     gl.static_assert(2 * HALF_M == BLOCK_M, "the Q/O descriptors' box is half a Q tile")
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
@@ -193,5 +193,5 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, L, S, HQ, qk_scale,
                               o_desc, LSE, L, S, HQ, qk_scale, 1, GROUP, CAUSAL, BLOCK_M,
                               num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready,
-                           v_ready, kv_empty, L, S, HQ, GROUP, CAUSAL, BLOCK_M)),
+                           v_ready, kv_empty, S, HQ, GROUP, CAUSAL, BLOCK_M)),
     ], [num_warps, 1], [SOFTMAX_REGS, LOAD_REGS])

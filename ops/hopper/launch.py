@@ -1,11 +1,11 @@
 """Host side of the Hopper forward and backward: what they accept, their buffers, descriptors, grids.
 
-The kernels read Q, K, V and dO (and the forward writes O) through rank-3 TMA descriptors over
-(batch * heads, rows, head dim), which needs each tensor's batch stride to be heads x its head
-stride, 16-byte aligned strides and base, and a contiguous last dim: true of contiguous
-(B, H, L, D) tensors, but not of the (B, L, H, D) layout that models' transposed projections give
-once B > 1. A tensor that cannot be read so is copied into a contiguous one, which changes no
-value: the path, and so the bits, never depend on the memory layout or on the batch size.
+The kernels read Q, K, V and dO (and the forward writes O) through rank-4 TMA descriptors over
+(batch, heads, rows, head dim) in each tensor's own strides, which need a contiguous last dim and
+16-byte aligned strides and base: true of contiguous tensors, of the (B, L, H, D) layout that
+models' transposed projections give, and of slices of a fused q/k/v projection. A tensor that
+cannot be read so is copied into a contiguous one, which changes no value: the path, and so the
+bits, never depend on the memory layout or on the batch size.
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ from .forward import forward_kernel
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def _mergeable(t: torch.Tensor) -> bool:
-    """Whether (B, H, N, D) ``t`` is a rank-3 TMA view (B*H, N, D) with 16-byte aligned strides."""
-    b_stride, h_stride, n_stride, d_stride = t.stride()
+def _tma_strided(t: torch.Tensor) -> bool:
+    """Whether a rank-4 TMA descriptor can read (B, H, N, D) ``t`` in place: a contiguous last dim,
+    the other strides (of dims longer than 1) positive and 16-byte aligned, and so the address. A
+    model's (B, L, H, D) projections seen as (B, H, L, D) qualify, as do contiguous tensors; a
+    broadcast (stride 0) does not."""
     size = t.element_size()
-    return (d_stride == 1 and (t.shape[0] == 1 or b_stride == t.shape[1] * h_stride)
-            and (h_stride * size) % 16 == 0 and (n_stride * size) % 16 == 0
-            and t.data_ptr() % 16 == 0)
+    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
+            and all(stride > 0 and (stride * size) % 16 == 0
+                    for stride, n in zip(t.stride()[:3], t.shape[:3]) if n > 1))
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -57,10 +59,10 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def tma_readable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when a (batch*heads, rows, dim) TMA view can read it, else a contiguous copy
-    (the same values) in a fresh, aligned allocation: ``contiguous()`` would return a contiguous
-    but misaligned view unchanged."""
-    return t if _mergeable(t) else t.clone(memory_format=torch.contiguous_format)
+    """``t`` itself when a rank-4 TMA descriptor can read it in place, else a contiguous copy (the
+    same values) in a fresh, aligned allocation: ``contiguous()`` would return a contiguous but
+    misaligned view unchanged."""
+    return t if _tma_strided(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,12 +79,12 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMAShared
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A rank-3 TMA descriptor over (B*H, N, D) for ``rows`` x D boxes."""
-    b, h, n, d = t.shape
-    view = t.as_strided((b * h, n, d), (t.stride(1), t.stride(2), 1))
-    block = (1, rows, d)
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), list(block),
-                            _shared_layout(block, t.dtype))
+    """A rank-4 TMA descriptor over (B, H, N, D) ``t`` in its own strides, for [1, 1, rows, D]
+    boxes (a dim of length 1 gets a stride TMA accepts: it is never stepped along)."""
+    strides = [stride if n > 1 else 16 // t.element_size() for stride, n in zip(t.stride(), t.shape)]
+    strides[3] = 1
+    block = (1, 1, rows, t.shape[3])
+    return TensorDescriptor(t, list(t.shape), strides, list(block), _shared_layout(block, t.dtype))
 
 
 def _lse2(lse: torch.Tensor, heads: int, seq: int) -> torch.Tensor:
@@ -149,7 +151,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     hkv, seq_k = k.shape[1], k.shape[2]
     cfg = cfg or HopperForwardConfig()
     grid = (triton.cdiv(seq_q, cfg.block_m), batch * hq)
-    if not _mergeable(out):  # written by TMA: through a contiguous buffer
+    if not _tma_strided(out):  # written by TMA: through a contiguous buffer
         staged = torch.empty(out.shape, device=out.device, dtype=out.dtype)
         plan = attention_forward(q, k, v, staged, lse, is_causal=is_causal, scale=scale,
                                  kernel_reason=kernel_reason, cfg=cfg)
@@ -226,7 +228,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     requested = schedule
     schedule, fallback = _fit(schedule, is_causal, window, n_kv, _sm_count(q.device.index or 0),
                               shape)
-    # A model's (B, L, H, D) views, or the stride-0 gradient of out.sum(): same values, new layout.
+    # A misaligned view, or the stride-0 gradient of out.sum(): same values, new layout.
     q, k, v, grad_out = (tma_readable(t) for t in (q, k, v, grad_out))
     delta = compute_delta(out, grad_out)
     stats = _row_stats(lse, delta, n_q * cfg.block_n)

@@ -124,13 +124,23 @@ def rank(qt, kv, tiles_q, tiles_kv, BLOCK_N: gl.constexpr, win_left, CAUSAL: gl.
 
 
 @gluon.jit
+def tma_batch(b, VARLEN: gl.constexpr):
+    """Batch entry ``b``'s coordinate in the (B, H, N, D) TMA descriptors of Q, K, V and dO: packed
+    sequences are all in the one entry of (1, H, T, D) views."""
+    result = b
+    if VARLEN:
+        result = 0
+    return result
+
+
+@gluon.jit
 def head_rows(b, hq, HQ, q_start, row_stride, VARLEN: gl.constexpr):
-    """(the head index of Q, dO in their TMA descriptors, the row of tile row 0 in the row stats,
-    the dQ accumulator and, packed, the tickets) for query head ``hq`` of batch entry ``b``."""
-    if VARLEN:  # descriptors over (Hq, T, D); stats and accumulator (Hq, row_stride)
-        result = (hq, hq * row_stride + q_start)
-    else:  # descriptors over (B * Hq, L, D); stats and accumulator (B * Hq, row_stride)
-        result = (b * HQ + hq, (b * HQ + hq) * row_stride)
+    """The row of tile row 0 in the row stats, the dQ accumulator and, packed, the tickets, for
+    query head ``hq`` of batch entry ``b``."""
+    if VARLEN:  # stats and accumulator (Hq, row_stride)
+        result = hq * row_stride + q_start
+    else:  # stats and accumulator (B * Hq, row_stride)
+        result = (b * HQ + hq) * row_stride
     return result
 
 
