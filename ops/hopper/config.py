@@ -23,9 +23,9 @@ FASTER_ON_HOPPER = ORDERED
 #: Per head dim, the shortest query length from which ``kernel="auto"`` runs the forward on the
 #: Hopper path (where it takes the inputs). Measured on an H100 (bf16, TFLOP/s Hopper / portable;
 #: ``bench/hopper_forward.py`` and docs/benchmarks.md for 4k and 16k): at head dim 128 faster from
-#: N = 2048 (2k full 553 / 460, causal 459 / 378; 4k full 627 / 461; at 1k the gains varied from
-#: -6% to +28% between runs); at head dim 64 faster from 4096 (4k full 446 / 426, causal
-#: 396 / 387), even at N = 4095 (427 / 427, 370 / 360), slower at 2048 (409 / 416, 333 / 344).
+#: N = 2048 (2k full 553 / 460, causal 459 / 378; 4k full 627 / 461; at 1k the ratio went from
+#: 0.43 to 1.28 between four runs); at head dim 64 faster from 4096 (4k full 446 / 426, causal
+#: 396 / 387), tied at N = 4095 (427 / 427, 370 / 360), slower at 2048 (409 / 416, 333 / 344).
 FORWARD_MIN_SEQ = {64: 4096, 128: 2048}
 
 
