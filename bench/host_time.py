@@ -19,7 +19,7 @@ import pstats
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -34,8 +34,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_calls(device: str, kernel: str, calls: int, causal: bool = True) -> dict[str, Any]:
-    """Mean host and done milliseconds of ``calls`` forward+backward calls (after a warm-up)."""
+def time_calls(device: str, kernel: str, calls: int,
+               causal: bool = True) -> tuple[dict[str, Any], Callable[[], None]]:
+    """Mean host and done milliseconds of ``calls`` forward+backward calls (after a warm-up), and
+    the call itself (to profile)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v = (torch.randn(1, 2, 256, 64, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
@@ -54,10 +56,10 @@ def time_calls(device: str, kernel: str, calls: int, causal: bool = True) -> dic
     _sync(device)
     done = time.perf_counter() - start
     return {"device": device, "kernel": kernel, "calls": calls, "host_ms": 1e3 * host / calls,
-            "done_ms": 1e3 * done / calls, "call": call}
+            "done_ms": 1e3 * done / calls}, call
 
 
-def profile_calls(call, calls: int, count: int = 25) -> list[dict[str, Any]]:
+def profile_calls(call: Callable[[], None], calls: int, count: int = 25) -> list[dict[str, Any]]:
     """The ``count`` functions of dash_inductor, its kernels' launchers and Triton's runtime with
     the most cumulative time over ``calls`` calls."""
     profiler = cProfile.Profile()
@@ -86,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels = ("auto", "portable") if args.device == "cuda" else ("auto",)
     rows = []
     for kernel in kernels:
-        row = time_calls(args.device, kernel, args.calls)
-        call = row.pop("call")
+        row, call = time_calls(args.device, kernel, args.calls)
         if args.profile:
             row["profile"] = profile_calls(call, args.calls)
         rows.append(row)
