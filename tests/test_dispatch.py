@@ -94,6 +94,19 @@ def test_hopper_reads_model_layouts_in_place_and_copies_only_what_tma_cannot_rea
         assert readable is not t and readable.is_contiguous() and torch.equal(readable, t)
 
 
+def test_descriptors_walk_the_tensors_own_strides():
+    """The rank-4 descriptors step through (B, H, N, D) in the tensor's strides, whatever its
+    layout; a dim of length 1, never stepped along, gets a stride TMA accepts (16 bytes)."""
+    from dash_inductor.ops.hopper.launch import _descriptor
+
+    transposed = torch.randn(2, 32, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    desc = _descriptor(transposed, 64)
+    assert list(desc.shape) == [2, 4, 32, 64] and list(desc.strides) == list(transposed.stride())
+    assert list(desc.block_shape) == [1, 1, 64, 64]
+    single = torch.randn(1, 32, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    assert list(_descriptor(single, 64).strides) == [8, 64, 256, 1]  # 8 bf16 = 16 bytes
+
+
 def test_packed_auto_stays_portable_and_named_ordered_schedules_take_hopper(hopper_takes_it,
                                                                             monkeypatch):
     """On packed documents of unequal length no Hopper schedule beat the portable ``recompute``
