@@ -136,21 +136,27 @@ def test_packed_auto_stays_portable_and_named_ordered_schedules_take_hopper(hopp
 
 
 @pytest.mark.parametrize("dim, seq, causal, window, expected", [
-    (128, 16384, False, (-1, -1), "shift"), (64, 8192, False, (-1, -1), "shift"),
+    (128, 16384, False, (-1, -1), "shift"), (128, 4096, False, (-1, -1), "shift"),
+    (64, 8192, False, (-1, -1), "shift"), (64, 4096, True, (-1, -1), "shift"),
     (64, 16384, True, (-1, -1), "shift"), (64, 8192, False, (300, 200), "ascending"),
-    (64, 16384, False, (-1, -1), "ascending"), (64, 20000, False, (-1, -1), "ascending")])
-def test_auto_on_hopper_is_shift_but_unmasked_d64_from_16k_keys(hopper_takes_it, dim, seq, causal,
-                                                                 window, expected):
-    """The measured rule (H200 d64 grid): ``ascending`` beat ``shift`` by 10% only on unmasked
-    head dim 64 from 16k keys (a window runs shift's windowed fallback); off the Hopper path
-    ``auto`` stays the portable rule's."""
+    (64, 16384, False, (-1, -1), "ascending"), (64, 20000, False, (-1, -1), "ascending"),
+    (64, 4096, False, (-1, -1), "recompute"), (64, 8191, False, (300, 200), "recompute")])
+def test_auto_on_hopper_follows_the_measured_rule(hopper_takes_it, dim, seq, causal, window,
+                                                  expected):
+    """The measured rule (H100 and H200 tables): ``shift``, but on unmasked head dim 64
+    ``ascending`` from 16k keys (10% faster) and the portable ``recompute`` below 8k (1-5%
+    faster); a window runs shift's windowed fallback; off the Hopper path ``auto`` stays the
+    portable rule's."""
     from dash_inductor.ops.backward import choose_path, window_fallback
 
     q, k, v = (torch.empty(1, 2, seq, dim, device="meta") for _ in range(3))
     portable = catalog.get("recompute")
     path, reason, schedule = choose_path("auto", catalog.AUTO, portable, q, k, v, None, causal,
                                          window)
-    assert (path, reason) == (dispatch.HOPPER, None)
+    if expected == "recompute":
+        assert path == dispatch.PORTABLE and "recompute" in reason
+    else:
+        assert (path, reason) == (dispatch.HOPPER, None)
     assert window_fallback(schedule, causal, window)[0].name == expected
     path, _, schedule = choose_path("portable", catalog.AUTO, portable, q, k, v, None, causal,
                                     (-1, -1))
