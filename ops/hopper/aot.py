@@ -67,7 +67,7 @@ def compile_forward(dtype: str, head_dim: int, causal: bool, group: int = 1,
     """The compiled forward kernel for one variant, for sm90."""
     cfg = cfg or HopperForwardConfig()
     constexprs = forward_constexprs(causal, group, cfg)
-    q_block = _descriptor(dtype, [1, 1, cfg.block_m // 2, head_dim])
+    q_block = _descriptor(dtype, [1, 1, cfg.warpgroup_rows, head_dim])
     kv_block = _descriptor(dtype, [1, 1, cfg.block_n, head_dim])
     signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "o_desc": q_block,
                  "LSE": "*fp32", "L": "i32", "S": "i32", "HQ": "i32", "qk_scale": "fp32"}

@@ -358,9 +358,9 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, D
 
     Dense: rank-4 descriptors over (B, heads, rows, D) in the tensors' own strides, row stats and
     DQACC over (B * Hq, row_stride). VARLEN: descriptors over (1, heads, T, D) views of the packed
-    tensors, DQACC and TICKETS over
-    (Hq, row_stride) by packed row, the stats over (Hq, row_stride) with sequence b's rows from
-    STATS_START[b]; batch entry b is sequence b of the offsets CU_Q, CU_K (L, S: totals).
+    tensors, DQACC and TICKETS over (Hq, row_stride) by packed row, the stats over
+    (Hq, row_stride) with sequence b's rows from STATS_START[b]; batch entry b is sequence b of
+    the offsets CU_Q, CU_K (L, S: totals).
     """
     dtype: gl.constexpr = q_desc.dtype
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]

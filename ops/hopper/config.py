@@ -102,6 +102,11 @@ class HopperForwardConfig:
     load_regs: int = 24
     num_warps: int = 4
 
+    @property
+    def warpgroup_rows(self) -> int:
+        """Query rows of one softmax warpgroup: the rows of a Q or O TMA box."""
+        return self.block_m // 2
+
 
 def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig) -> dict[str, object]:
     """The forward kernel's compile-time arguments for one launch."""

@@ -81,7 +81,8 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMAShared
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A rank-4 TMA descriptor over (B, H, N, D) ``t`` in its own strides, for [1, 1, rows, D]
     boxes (a dim of length 1 gets a stride TMA accepts: it is never stepped along)."""
-    strides = [stride if n > 1 else 16 // t.element_size() for stride, n in zip(t.stride(), t.shape)]
+    strides = [stride if n > 1 else 16 // t.element_size()
+               for stride, n in zip(t.stride(), t.shape)]
     strides[3] = 1
     block = (1, 1, rows, t.shape[3])
     return TensorDescriptor(t, list(t.shape), strides, list(block), _shared_layout(block, t.dtype))
@@ -165,8 +166,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
         lse.fill_(float("-inf"))
         return Plan("forward", "hopper", kernel_reason, None, None, None, (), cfg)
     forward_kernel[grid](
-        _descriptor(q, cfg.block_m // 2), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
-        _descriptor(out, cfg.block_m // 2), lse, seq_q, seq_k, hq, scale * LOG2E,
+        _descriptor(q, cfg.warpgroup_rows), _descriptor(k, cfg.block_n),
+        _descriptor(v, cfg.block_n), _descriptor(out, cfg.warpgroup_rows), lse, seq_q, seq_k, hq,
+        scale * LOG2E,
         **forward_constexprs(is_causal, hq // hkv, cfg))
     return Plan("forward", "hopper", kernel_reason, None, None, None, grid, cfg)
 
