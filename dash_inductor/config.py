@@ -81,6 +81,13 @@ def patch(**options: object) -> Iterator[None]:
             setattr(module, name, value)
 
 
+def check_choices(values: tuple) -> None:
+    """Validate the op's choice arguments, given in ``CHOICES`` order (no config read: the ops
+    check their arguments on every call)."""
+    for name, value in zip(CHOICES, values):
+        _check(name, value)
+
+
 def choices(**overrides: object) -> dict[str, object]:
     """The op arguments named by ``CHOICES``: the config now, except ``overrides`` that are not None."""
     values = {name: get(name) for name in CHOICES}

@@ -71,8 +71,7 @@ def _ops():
 
 
 def _check_choices(schedule: str, max_spin: int, cpu_backend: str, kernel_path: str) -> None:
-    config.choices(schedule=schedule, max_spin=max_spin, cpu_backend=cpu_backend,
-                   kernel=kernel_path)
+    config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
 
 
 def check_schedule_allowed(q: Tensor, schedule: str, cpu_backend: str) -> None:

@@ -37,26 +37,8 @@ from .launch import (coresident_programs, cooperative_launch_supported, dot_prec
 from .plan import Plan
 from .tickets import add_in_turn, release_last
 from .dq_pass import launch_dq_pass, load_row_stats
+from .preprocess import prepare
 from .tiles import LOG2E, diagonal_origin, load_rows, mm, sequence_bounds, window_keep
-
-
-@triton.jit
-def _preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_oe,
-                       stride_db, stride_dh, stride_dm, stride_de, HQ, L,
-                       EV: tl.constexpr, HEAD_EV: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta = rowsum(dO * O) in fp32: the softmax-backward term shared by all KV tiles of a row."""
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_EV)
-    inside = (rows[:, None] < L) & (cols[None, :] < EV)
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-                + rows[:, None] * stride_om + cols[None, :] * stride_oe, mask=inside, other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
-                 + rows[:, None] * stride_dm + cols[None, :] * stride_de, mask=inside, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + pid_bh.to(tl.int64) * L + rows, delta, mask=rows < L)
 
 
 @triton.jit
@@ -330,17 +312,14 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                scale=scale, schedule=requested, max_spin=max_spin,
                                schedule_requested=schedule, kernel_reason=kernel_reason,
                                window=window)
-    delta = compute_delta(out, grad_out)
     # A fallback keeps dQ in the main kernel and ordered (catalog.fallback), so the buffers of the
     # requested schedule serve the one that runs.
-    dq_acc = None
-    if not requested.separate_dq:
-        dq_acc = torch.zeros((batch * hq, n_q * cfg.block_n, head_dim_bucket(e)), device=q.device,
-                             dtype=torch.float32)
-    tickets = torch.zeros((batch * hq * n_q * (cfg.block_n // cfg.block_m),), device=q.device,
-                          dtype=torch.int32)
+    delta, dq_acc, tickets, flags = prepare(
+        out, grad_out, lse, row_stride=seq_q, acc_rows=n_q * cfg.block_n,
+        acc_dim=0 if requested.separate_dq else head_dim_bucket(e), ticket_rows=cfg.block_m,
+        with_lse2=False)
     fitted, fallback, grid, error_flag = launch_main(
-        (q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets), None,
+        (q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets, flags), None,
         (seq_q, seq_k, n_q, n_kv), cfg, requested, is_causal=is_causal, window=window, scale=scale,
         max_spin=max_spin, shape=shape)
     if is_causal and seq_k > n_q * cfg.block_n:
@@ -363,12 +342,12 @@ def launch_main(tensors: tuple, packed: tuple | None, sizes: tuple[int, int, int
     """Launch the main kernel with the schedule that can run; return it, why it is not the one
     requested, the grid, and the spin-error flag to watch (None where nothing waits).
 
-    ``tensors`` = (q, k, v, grad_out, lse, delta, mask, dk, dv, dq accumulator or None, tickets)
-    as (B, H, L, D) views; ``sizes`` = (L, S, Q tiles, KV tiles) per (batch, head). ``packed`` =
+    ``tensors`` = (q, k, v, grad_out, lse, delta, mask, dk, dv, dq accumulator or None, tickets,
+    flags) as (B, H, L, D) views, the tickets and the two flags (spin error, work counter) zeros; ``sizes`` = (L, S, Q tiles, KV tiles) per (batch, head). ``packed`` =
     (cu_seq_q, cu_seq_k, max_q, max_k) makes it the VARLEN kernel: B sequences over the packed
     tensors (batch stride 0), L and S the packed totals, the tiles those of the longest sequence.
     """
-    q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets = tensors
+    q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets, flags = tensors
     seq_q, seq_k, n_q, n_kv = sizes
     batch, hq, _, e = q.shape
     hkv, ev = k.shape[1], v.shape[3]
@@ -377,7 +356,6 @@ def launch_main(tensors: tuple, packed: tuple | None, sizes: tuple[int, int, int
     mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
     cu_q, cu_k, max_q, max_k = packed or (tickets, tickets, 0, 0)
     waits = requested.ordered and not interpreting()
-    flags = torch.zeros((2,), device=device, dtype=torch.int32)
     error_flag, work_counter = flags[:1], flags[1:]
     args = (q, k, v, grad_out, lse, delta, mask_t, dk, dv,
             dq_acc if dq_acc is not None else delta, tickets, error_flag, work_counter, cu_q, cu_k,
@@ -414,14 +392,3 @@ def launch_main(tensors: tuple, packed: tuple | None, sizes: tuple[int, int, int
 
     _backward_main_kernel[(programs,)](*args, *items, **kwargs, **constexprs)
     return fitted, fallback, (programs,), error_flag if waits else None
-
-
-def compute_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    """delta = rowsum(dO * O) in fp32, shape (B * Hq, L): the backward's preprocess pass."""
-    batch, hq, seq_q, ev = out.shape
-    delta = torch.empty((batch * hq, seq_q), device=out.device, dtype=torch.float32)
-    block = 64
-    _preprocess_kernel[(triton.cdiv(seq_q, block), batch * hq)](
-        out, grad_out, delta, *out.stride(), *grad_out.stride(), hq, seq_q,
-        EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=block)
-    return delta

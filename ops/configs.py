@@ -8,6 +8,7 @@ measurements written down in docs/kernels-notes.md.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -80,11 +81,21 @@ def head_dim_bucket(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def cuda_major(device: torch.device) -> int:
+    """The compute-capability major of CUDA ``device`` (cached: every launch asks)."""
+    return _capability_major(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def arch_key(device: torch.device) -> int | str:
     """The architecture key of ``device``: compute-capability major, or INTERPRETER."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
         return INTERPRETER
-    return torch.cuda.get_device_capability(device)[0]
+    return cuda_major(device)
 
 
 def _default_forward(bucket: int, wide: bool) -> ForwardConfig:

@@ -13,8 +13,8 @@ import triton.language as tl
 
 from .configs import head_dim_bucket
 from .launch import dot_precision, mask_kind
-from .tiles import (LOG2E, key_tile_range, load_tile, masked_scores, mm, row_offset,
-                    sequence_rows, window_keep)
+from .tiles import (LOG2E, exp2_logsumexp, key_tile_range, load_tile, masked_scores, mm,
+                    row_offset, sequence_rows, window_keep)
 
 
 @triton.jit
@@ -32,8 +32,7 @@ def load_row_stats(LSE, DELTA, row_base, rows, lo, hi, CHECK_LO: tl.constexpr,
     else:
         lse = tl.load(LSE + row_base + rows)
         delta = tl.load(DELTA + row_base + rows)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    return lse2, delta
+    return exp2_logsumexp(lse), delta
 
 
 @triton.jit

@@ -108,7 +108,12 @@ def warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-_PENDING: list[tuple[torch.Tensor, "torch.cuda.Event", str | Callable[[int], Exception]]] = []
+#: Watched launches: (pinned host copy of the flag, event after the copy, the device, what).
+_PENDING: list[tuple[torch.Tensor, "torch.cuda.Event", int,
+                     str | Callable[[int], Exception]]] = []
+#: Pinned flags and events of launches already looked at, by device, for reuse (allocating them
+#: anew was a visible part of a backward call's host time).
+_FREE: dict[int, list[tuple[torch.Tensor, "torch.cuda.Event"]]] = {}
 
 
 def _spin_error(what: str) -> RuntimeError:
@@ -126,14 +131,16 @@ def check_spin_flags(wait: bool = False) -> None:
     then it waits for every watched launch (tests, and callers that want the answer now).
     """
     failed, pending = None, []
-    for host_flag, done, what in _PENDING:
+    for host_flag, done, device, what in _PENDING:
         if wait:
             done.synchronize()
         if done.query():
-            if failed is None and int(host_flag[0]) != 0:
-                failed = what, int(host_flag[0])
+            value = int(host_flag[0])
+            if failed is None and value != 0:
+                failed = what, value
+            _FREE.setdefault(device, []).append((host_flag, done))
         else:
-            pending.append((host_flag, done, what))
+            pending.append((host_flag, done, device, what))
     _PENDING[:] = pending
     if failed is not None:
         what, code = failed
@@ -149,8 +156,12 @@ def watch_spin_flag(error_flag: torch.Tensor, what: str | Callable[[int], Except
     if torch.cuda.is_current_stream_capturing():
         return
     check_spin_flags()
-    host_flag = torch.empty((1,), dtype=torch.int32, pin_memory=True)
+    device = error_flag.device.index or 0
+    free = _FREE.get(device)
+    if free:
+        host_flag, done = free.pop()
+    else:
+        host_flag, done = torch.empty((1,), dtype=torch.int32, pin_memory=True), torch.cuda.Event()
     host_flag.copy_(error_flag, non_blocking=True)
-    done = torch.cuda.Event()
     done.record()
-    _PENDING.append((host_flag, done, what))
+    _PENDING.append((host_flag, done, device, what))

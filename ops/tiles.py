@@ -18,6 +18,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def exp2_logsumexp(lse):
+    """A natural-log logsumexp in the exp2 domain (times LOG2E), +inf where the row saw no key
+    (-inf), so that P = exp2(S - lse2) is 0 there."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@triton.jit
 def load_tile(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols,
               CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
     """Load ``ptr[rows, cols]`` (zeros outside ``n_rows`` x ``n_cols`` where checked)."""

@@ -184,7 +184,7 @@ def _compile_for_sm90() -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from dash_inductor.ops import backward, dq_pass, forward
+    from dash_inductor.ops import backward, dq_pass, forward, preprocess
     from dash_inductor.ops.configs import backward_config, forward_config
 
     types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
@@ -215,7 +215,7 @@ def _compile_for_sm90() -> list[dict]:
             return launch
 
     for module, name in ((forward, "_attention_forward_kernel"), (backward, "_backward_main_kernel"),
-                         (backward, "_preprocess_kernel"), (dq_pass, "_backward_dq_kernel"),
+                         (preprocess, "_preprocess_kernel"), (dq_pass, "_backward_dq_kernel"),
                          (packed, "_check_offsets_kernel")):
         setattr(module, name, Compile(getattr(module, name)))
     backward.coresident_programs = lambda *args: 264

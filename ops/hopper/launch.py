@@ -19,12 +19,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import catalog
-from ..backward import compute_delta, fit_schedule, window_fallback
-from ..dq_pass import launch_dq_pass
-from ..tiles import LOG2E
+from ..backward import fit_schedule, window_fallback
 from ..configs import backward_config as portable_backward_config
+from ..configs import cuda_major
+from ..dq_pass import launch_dq_pass
 from ..launch import watch_spin_flag
 from ..plan import Plan
+from ..preprocess import FLAGS, compute_delta, prepare
+from ..tiles import LOG2E
 from .backward import backward_kernel
 from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
                      backward_constexprs, forward_constexprs)
@@ -47,7 +49,7 @@ def _tma_strided(t: torch.Tensor) -> bool:
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor | None) -> str | None:
     """Why the Hopper backward cannot take these inputs; None when it can."""
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if q.device.type != "cuda" or cuda_major(q.device) != 9:
         return "not an sm90 (Hopper) GPU"
     if q.dtype not in _GL_DTYPES:
         return f"dtype {q.dtype} (the Hopper kernels take float16 and bfloat16)"
@@ -90,32 +92,18 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def _lse2(lse: torch.Tensor, heads: int, seq: int) -> torch.Tensor:
     """The logsumexp as (heads, seq) in the exp2 domain, +inf where a row saw no key (-inf), so
-    that P = exp2(S - lse2) is 0 there."""
+    that P = exp2(S - lse2) is 0 there (``tiles.exp2_logsumexp``, on the host)."""
     lse2 = lse.reshape(heads, seq) * LOG2E
     return lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
-
-
-def _row_stats(lse: torch.Tensor, delta: torch.Tensor, rows: int) -> torch.Tensor:
-    """(2, B*H*rows) fp32: the logsumexp in the exp2 domain and delta, each row padded to ``rows``.
-
-    The load warp brings both to shared memory by TMA with each step's Q and dO. A padded row
-    has logsumexp +inf (so P = 0 there) and delta 0; so has a row that saw no key (-inf).
-    """
-    heads, seq = delta.shape
-    stats = torch.empty((2, heads, rows), device=delta.device, dtype=torch.float32)
-    stats[0, :, :seq] = _lse2(lse, heads, seq)
-    stats[0, :, seq:] = float("inf")
-    stats[1, :, :seq] = delta
-    stats[1, :, seq:] = 0.0
-    return stats.view(2, heads * rows)
 
 
 def packed_row_stats(lse: torch.Tensor, delta: torch.Tensor, cu_seq_q: torch.Tensor,
                      cu_seq_k: torch.Tensor, aligned: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(stats (2, Hq * row_stride), each sequence's first row in them, row_stride) of packed
-    sequences, as :func:`_row_stats`, laid out so that every TMA box of the row stats starts
-    16-byte aligned: the kernel's boxes start at ``q_lo`` rows before a sequence (its diagonal
-    shift, ``tiles.diagonal_origin``) plus multiples of 64, so sequence i's rows start at
+    sequences: the exp2-domain logsumexp and delta, as the dense path's preprocess writes them
+    (``ops/preprocess.py``; padding +inf and 0), laid out so that every TMA box of the row stats
+    starts 16-byte aligned: the kernel's boxes start at ``q_lo`` rows before a sequence (its
+    diagonal shift, ``tiles.diagonal_origin``) plus multiples of 64, so sequence i's rows start at
     ``start[i]`` = q_lo (mod 4), each in its own gap-padded segment. Built on the device: the
     host reads no offset."""
     heads, total = delta.shape
@@ -138,7 +126,7 @@ def packed_row_stats(lse: torch.Tensor, delta: torch.Tensor, cu_seq_q: torch.Ten
 
 
 def _row_descriptor(row: torch.Tensor, block: int) -> TensorDescriptor:
-    """A rank-1 TMA descriptor over one row of :func:`_row_stats`, for ``block``-element boxes."""
+    """A rank-1 TMA descriptor over one plane of the row stats, for ``block``-element boxes."""
     return TensorDescriptor(row, list(row.shape), [1], [block], _shared_layout((block,), row.dtype))
 
 
@@ -181,12 +169,12 @@ def _fit(schedule: catalog.Schedule, causal: bool, window: tuple[int, int], n_kv
 
 
 def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor, dq_acc: torch.Tensor,
-            tickets: torch.Tensor, packed: tuple | None, sizes: tuple[int, ...], schedule: catalog.Schedule,
+            tickets: torch.Tensor, error_flag: torch.Tensor, packed: tuple | None, sizes: tuple[int, ...], schedule: catalog.Schedule,
             cfg: HopperBackwardConfig, *, is_causal: bool, window: tuple[int, int], scale: float,
-            max_spin: int, even_s: bool) -> tuple[tuple[int], torch.Tensor]:
+            max_spin: int, even_s: bool) -> tuple[int]:
     """One launch of the backward kernel over (B, H, N, D) ``views`` = (q, k, v, grad_out, dk,
     dv); ``sizes`` = (batch entries, L, S, Q tiles, KV tiles, rows per head of the stats and the
-    dQ accumulator); return the grid and the error flag."""
+    dQ accumulator); ``tickets`` and ``error_flag`` zeros; return the grid."""
     q, k, v, grad_out, dk, dv = views
     batch, seq_q, seq_k, n_q, n_kv, row_stride = sizes
     hq, hkv = q.shape[1], k.shape[1]
@@ -194,7 +182,6 @@ def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor, dq_acc
     total_items = batch * hkv * per_head
     grid = (min(total_items, _sm_count(q.device.index or 0)),)
     cu_q, cu_k, max_q, max_k = packed or (tickets, tickets, 0, 0)
-    error_flag = torch.zeros((1,), device=q.device, dtype=torch.int32)
     dk_batch, dv_batch = (0, 0) if packed else (dk.stride(0), dv.stride(0))
     backward_kernel[grid](
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
@@ -206,7 +193,7 @@ def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor, dq_acc
         total_items, scale * LOG2E, scale, max_spin,
         **backward_constexprs(schedule.name, is_causal, hq // hkv, even_s, cfg,
                               window != (-1, -1), packed is not None))
-    return grid, error_flag
+    return grid
 
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -232,26 +219,24 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               shape)
     # A misaligned view, or the stride-0 gradient of out.sum(): same values, new layout.
     q, k, v, grad_out = (tma_readable(t) for t in (q, k, v, grad_out))
-    delta = compute_delta(out, grad_out)
-    stats = _row_stats(lse, delta, n_q * cfg.block_n)
-    dq_acc = delta
-    if not schedule.separate_dq:
-        dq_acc = torch.zeros((batch * hq, n_q * cfg.block_n, head_d), device=q.device,
-                             dtype=torch.float32)
-    tickets = torch.zeros((batch * hq * n_q * (cfg.block_n // cfg.block_m),), device=q.device,
-                          dtype=torch.int32)
-    grid, error_flag = _launch((q, k, v, grad_out, dk, dv), stats, tickets, dq_acc, tickets, None,
-                               (batch, seq_q, seq_k, n_q, n_kv, n_q * cfg.block_n), schedule, cfg,
-                               is_causal=is_causal, window=window, scale=scale, max_spin=max_spin,
-                               even_s=seq_k % cfg.block_n == 0)
+    rows = n_q * cfg.block_n
+    stats, dq_acc, tickets, flags = prepare(
+        out, grad_out, lse, row_stride=rows, acc_rows=rows,
+        acc_dim=0 if schedule.separate_dq else head_d, ticket_rows=cfg.block_m, with_lse2=True)
+    error_flag = flags[:1]
+    grid = _launch((q, k, v, grad_out, dk, dv), stats, tickets, stats if dq_acc is None else dq_acc,
+                   tickets, error_flag, None, (batch, seq_q, seq_k, n_q, n_kv, rows), schedule,
+                   cfg, is_causal=is_causal, window=window, scale=scale, max_spin=max_spin,
+                   even_s=seq_k % cfg.block_n == 0)
     if is_causal and seq_k > n_q * cfg.block_n:
         dk[:, :, n_q * cfg.block_n:].zero_()
         dv[:, :, n_q * cfg.block_n:].zero_()
-    if schedule.separate_dq:
-        launch_dq_pass(q, k, v, grad_out, lse, delta, None, dq, is_causal=is_causal, scale=scale,
+    if schedule.separate_dq:  # the dQ pass reads delta by rows of L
+        launch_dq_pass(q, k, v, grad_out, lse, compute_delta(out, grad_out), None, dq,
+                       is_causal=is_causal, scale=scale,
                        cfg=portable_backward_config(head_d, q.dtype, is_causal, 9), window=window)
     else:
-        dq.copy_(dq_acc.view(batch, hq, n_q * cfg.block_n, head_d)[:, :, :seq_q])
+        dq.copy_(dq_acc.view(batch, hq, rows, head_d)[:, :, :seq_q])
     if schedule.ordered:
         watch_spin_flag(error_flag, f"{shape}, schedule {schedule.name!r}")
     return Plan("backward", "hopper", kernel_reason, schedule_requested or requested.name,
@@ -292,12 +277,13 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     dq_acc = delta
     if not schedule.separate_dq:
         dq_acc = torch.zeros((hq, row_stride, head_d), device=q.device, dtype=torch.float32)
-    tickets = torch.zeros((hq * row_stride,), device=q.device, dtype=torch.int32)
+    tickets = torch.zeros((hq * row_stride + FLAGS,), device=q.device, dtype=torch.int32)
+    tickets, error_flag = tickets[:-FLAGS], tickets[-FLAGS:-FLAGS + 1]
     dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
-    grid, error_flag = _launch((q4, k4, v4, do4, dk4, dv4), stats, stats_start, dq_acc, tickets,
-                               packed, (num_seqs, tq, tk, n_q, n_kv, row_stride), schedule, cfg,
-                               is_causal=is_causal, window=window, scale=scale,
-                               max_spin=max_spin, even_s=False)
+    grid = _launch((q4, k4, v4, do4, dk4, dv4), stats, stats_start, dq_acc, tickets, error_flag,
+                   packed, (num_seqs, tq, tk, n_q, n_kv, row_stride), schedule, cfg,
+                   is_causal=is_causal, window=window, scale=scale, max_spin=max_spin,
+                   even_s=False)
     if schedule.separate_dq:
         virtual = (t.transpose(0, 1).unsqueeze(0).expand(num_seqs, -1, -1, -1)
                    for t in (q, k, v, grad_out, dq))
