@@ -343,7 +343,8 @@ def launch_main(tensors: tuple, packed: tuple | None, sizes: tuple[int, int, int
     requested, the grid, and the spin-error flag to watch (None where nothing waits).
 
     ``tensors`` = (q, k, v, grad_out, lse, delta, mask, dk, dv, dq accumulator or None, tickets,
-    flags) as (B, H, L, D) views, the tickets and the two flags (spin error, work counter) zeros; ``sizes`` = (L, S, Q tiles, KV tiles) per (batch, head). ``packed`` =
+    flags) as (B, H, L, D) views, the tickets and the two flags (spin error, work counter) zeros;
+    ``sizes`` = (L, S, Q tiles, KV tiles) per (batch, head). ``packed`` =
     (cu_seq_q, cu_seq_k, max_q, max_k) makes it the VARLEN kernel: B sequences over the packed
     tensors (batch stride 0), L and S the packed totals, the tiles those of the longest sequence.
     """

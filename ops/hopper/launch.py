@@ -169,9 +169,10 @@ def _fit(schedule: catalog.Schedule, causal: bool, window: tuple[int, int], n_kv
 
 
 def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor, dq_acc: torch.Tensor,
-            tickets: torch.Tensor, error_flag: torch.Tensor, packed: tuple | None, sizes: tuple[int, ...], schedule: catalog.Schedule,
-            cfg: HopperBackwardConfig, *, is_causal: bool, window: tuple[int, int], scale: float,
-            max_spin: int, even_s: bool) -> tuple[int]:
+            tickets: torch.Tensor, error_flag: torch.Tensor, packed: tuple | None,
+            sizes: tuple[int, ...], schedule: catalog.Schedule, cfg: HopperBackwardConfig, *,
+            is_causal: bool, window: tuple[int, int], scale: float, max_spin: int,
+            even_s: bool) -> tuple[int]:
     """One launch of the backward kernel over (B, H, N, D) ``views`` = (q, k, v, grad_out, dk,
     dv); ``sizes`` = (batch entries, L, S, Q tiles, KV tiles, rows per head of the stats and the
     dQ accumulator); ``tickets`` and ``error_flag`` zeros; return the grid."""
