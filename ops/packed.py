@@ -27,7 +27,7 @@ from .catalog import AUTO, KERNELS
 from .configs import arch_key, backward_config, forward_config, head_dim_bucket
 from .dispatch import HOPPER, PORTABLE
 from .dq_pass import launch_dq_pass
-from .preprocess import FLAGS, compute_delta
+from .preprocess import compute_delta, zeroed_tickets
 from .forward import launch_forward
 from .launch import watch_spin_flag
 from . import offsets
@@ -180,13 +180,13 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     dq_acc = None
     if not requested.separate_dq:
         dq_acc = torch.zeros((hq, tq, head_dim_bucket(e)), device=q.device, dtype=torch.float32)
-    tickets = torch.zeros((hq * tq + FLAGS,), device=q.device, dtype=torch.int32)
+    tickets, flags = zeroed_tickets(hq * tq, q.device)
     packed = (cu_seq_q, cu_seq_k, max_q, max_k)
     shape = (f"packed q {tuple(q.shape)}, k {tuple(k.shape)}, {num_seqs} sequences, "
              f"max_q={max_q}, max_k={max_k}, causal={is_causal}")
     fitted, fallback, grid, error_flag = launch_main(
-        (q4, k4, v4, do4, lse, delta, None, dk4, dv4, dq_acc, tickets[:-FLAGS], tickets[-FLAGS:]),
-        packed, (tq, tk, n_q, n_kv), cfg, requested, is_causal=is_causal, window=window, scale=scale,
+        (q4, k4, v4, do4, lse, delta, None, dk4, dv4, dq_acc, tickets, flags), packed,
+        (tq, tk, n_q, n_kv), cfg, requested, is_causal=is_causal, window=window, scale=scale,
         max_spin=max_spin, shape=shape)
     if fitted.separate_dq:
         launch_dq_pass(q4, k4, v4, do4, lse, delta, None, dq4, is_causal=is_causal, scale=scale,

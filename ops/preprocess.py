@@ -115,6 +115,13 @@ def prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, *, row
     return Prepared(stats, dq_acc, buffer[:n_tickets], buffer[n_tickets:])
 
 
+def zeroed_tickets(count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``count`` zeroed tickets, the :data:`FLAGS` zeroed flags after them) in one buffer, the
+    layout :func:`prepare` writes, for the packed paths, whose tickets follow packed rows."""
+    buffer = torch.zeros((count + FLAGS,), device=device, dtype=torch.int32)
+    return buffer[:count], buffer[count:]
+
+
 def compute_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     """delta = rowsum(dO * O) in fp32, shape (B * Hq, L), alone (the packed paths, whose tickets
     and accumulators follow packed rows)."""

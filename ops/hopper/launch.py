@@ -25,7 +25,7 @@ from ..configs import cuda_major
 from ..dq_pass import launch_dq_pass
 from ..launch import watch_spin_flag
 from ..plan import Plan
-from ..preprocess import FLAGS, compute_delta, prepare
+from ..preprocess import compute_delta, prepare, zeroed_tickets
 from ..tiles import LOG2E
 from .backward import backward_kernel
 from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
@@ -278,8 +278,8 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     dq_acc = delta
     if not schedule.separate_dq:
         dq_acc = torch.zeros((hq, row_stride, head_d), device=q.device, dtype=torch.float32)
-    tickets = torch.zeros((hq * row_stride + FLAGS,), device=q.device, dtype=torch.int32)
-    tickets, error_flag = tickets[:-FLAGS], tickets[-FLAGS:-FLAGS + 1]
+    tickets, flags = zeroed_tickets(hq * row_stride, q.device)
+    error_flag = flags[:1]
     dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
     grid = _launch((q4, k4, v4, do4, dk4, dv4), stats, stats_start, dq_acc, tickets, error_flag,
                    packed, (num_seqs, tq, tk, n_q, n_kv, row_stride), schedule, cfg,
