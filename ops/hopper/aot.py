@@ -44,8 +44,11 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
     kv_block = _descriptor(dtype, [1, 1, cfg.block_n, head_dim])
     stats_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m], gl.float32)
     stats_block = f"tensordesc<fp32[{cfg.block_m}],{stats_layout!r}>"
+    dq_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, head_dim], gl.float32)
+    dq_block = f"tensordesc<fp32[{cfg.block_m}, {head_dim}],{dq_layout!r}>"
     signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "do_desc": q_block,
-                 "lse_desc": stats_block, "delta_desc": stats_block, "DK": f"*{dtype}", "DV": f"*{dtype}",
+                 "lse_desc": stats_block, "delta_desc": stats_block, "dq_desc": dq_block,
+                 "DK": f"*{dtype}", "DV": f"*{dtype}",
                  "DQACC": "*fp32", "TICKETS": "*i32", "ERR": "*i32",
                  "STATS_START": "*i32", "CU_Q": "*i32",
                  "CU_K": "*i32"}
@@ -84,6 +87,7 @@ _PTX_FEATURES = {
     "setmaxnreg_inc": r"setmaxnreg\.inc",
     "setmaxnreg_dec": r"setmaxnreg\.dec",
     "dq_adds": r"red\.global\.gpu\.relaxed\.add\.v4\.f32",
+    "dq_tma_adds": r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add",
     "ticket_release": r"(?:atom|red)\.global\.gpu\.release\.add",
 }
 

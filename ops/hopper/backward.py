@@ -10,9 +10,11 @@ al. 2024, and of DASH's dQ writer, Qiang et al. 2026):
   shared memory, through mbarrier rings.
 - ``_compute_partition`` (the default partition, two warpgroups): keeps dK and dV in registers,
   computes S^T, P^T, dP^T, dS^T with wgmma, and hands each step's dQ partial to shared memory.
-- ``_dq_partition`` (1 warp): adds each dQ partial into the fp32 accumulator. Ordered schedules
-  wait for the partial's ticket (acquire), add, and release the ticket to the next rank, so the
-  sum of every dQ element runs in the schedule's fixed order while the compute warps go on.
+- ``_dq_partition`` (1 warp): adds each dQ partial into the fp32 accumulator with one TMA
+  reduce-add (FlashAttention-3's bulk reduce). Ordered schedules wait for the partial's ticket
+  (acquire), add, wait until the adds are performed in global memory (not only read from shared
+  memory) and release the ticket to the next rank, so the sum of every dQ element runs in the
+  schedule's fixed order while the compute warps go on.
 
 Queries sit along dim 1 of S^T (keys along dim 0), so dK and dV accumulate from registers, and
 dS^T goes through shared memory once to feed dQ = dS K.
@@ -31,11 +33,12 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
 from . import walk
-from .primitives import partition_barrier, red_add, red_add_rows, tma_load, zero_outside
+from .primitives import (partition_barrier, red_add, red_add_rows, tma_add, tma_adds_performed,
+                         tma_load, zero_outside)
 
 
 @gluon.jit
@@ -98,14 +101,16 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
 
 
 @gluon.jit
-def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
+def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
                   HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
                   items_per_head, total_items, max_spin,
                   GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                   NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
                   ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
-                  VARLEN: gl.constexpr):
-    """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED."""
+                  VARLEN: gl.constexpr, DQ_TMA: gl.constexpr):
+    """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
+    TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
+    with vectorized ``red`` adds from registers."""
     if not COMPUTE_DQ:
         return
     DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
@@ -154,11 +159,16 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
                             mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
                             base = DQACC + (row_base + row0).to(gl.int64) * HEAD_D
                             buf = dq_bufs.index(d)
-                            # Only a sub-tile that crosses its sequence's edge adds row by row
+                            crossing = VARLEN and walk.crosses_edge(row0, BLOCK_M, q_lo, q_hi)
+                            # One TMA reduce-add per partial, or red.v4 adds from registers. Only
+                            # a packed sub-tile that crosses its sequence's edge adds row by row
                             # (its own rows): predicated adds become a branch per add in SASS,
                             # with no shared memory load in flight across it, and made the writer
                             # the packed kernel's bottleneck (docs/kernels-notes.md).
-                            if VARLEN and walk.crosses_edge(row0, BLOCK_M, q_lo, q_hi):
+                            if DQ_TMA and not crossing:
+                                tma_add(dq_desc, [row_base + row0, 0], buf)
+                                tma.store_wait(0)  # read: the staging buffer is free again
+                            elif crossing:
                                 for r in gl.static_range(0, BLOCK_M, ROWS):
                                     vals = buf.slice(r, ROWS, dim=0).load(layout)
                                     ptrs = base + (r + offs_r)[:, None] * HEAD_D + offs_d[None, :]
@@ -172,6 +182,8 @@ def _dq_partition(dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
                                     red_add(ptrs, vals)
                             mbarrier.arrive(dq_empty.index(d), count=1)
                             if ORDERED:
+                                if DQ_TMA:
+                                    tma_adds_performed()
                                 partition_barrier()  # every lane's adds are issued before the release
                                 gl.atomic_add(ticket, 1, sem="release")
                             it += 1
@@ -207,10 +219,8 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if DK_IN_FLIGHT:
         # In flight: the previous step's dK, then S^T and dP^T. Waiting for S^T also retires
-        # that dK, which frees the previous step's Q/dO stage.
+        # that dK; its Q/dO stage is released with this step's hand-off (below).
         s_t, dk = warpgroup_mma_wait(1, deps=(s_t, dk))
-        if it > first_it:
-            mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
     else:
         s_t = warpgroup_mma_wait(1, deps=(s_t, ))
     lse2 = lse_bufs.index(s).load(row_layout)
@@ -250,15 +260,26 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
         dk = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
     else:
         dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
+    d = it % DQ_STAGES
     if COMPUTE_DQ:
         dq, dv, dk = warpgroup_mma_wait(1, deps=(dq, dv, dk))
-        d = it % DQ_STAGES
         mbarrier.wait(dq_empty.index(d), ((it // DQ_STAGES) & 1) ^ 1)
         dq_bufs.index(d).store(dq * sm_scale)
-        mbarrier.arrive(dq_ready.index(d), count=1)
+        fence_async_shared()  # the writer's TMA reads the partial (the async proxy)
     else:
         dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
-    if not DK_IN_FLIGHT:
+    # The compiler brackets each arrive of this two-warpgroup partition with barriers over its
+    # warps (one before, one before the next shared-memory access): with dK in flight the two
+    # arrives go together at the end of the step; with dK retired in the step, the partial goes
+    # to the writer before that wait (measured: docs/kernels-notes.md).
+    if DK_IN_FLIGHT:
+        if COMPUTE_DQ:
+            mbarrier.arrive(dq_ready.index(d), count=1)
+        if it > first_it:
+            mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
+    else:
+        if COMPUTE_DQ:
+            mbarrier.arrive(dq_ready.index(d), count=1)
         # dK from registers must retire within its step: left in flight, it made ptxas serialize
         # every wgmma (advisory C7512).
         dk = warpgroup_mma_wait(0, deps=(dk, ))
@@ -343,7 +364,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
 
 
 @gluon.jit
-def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQACC, TICKETS, ERR,
+def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, DQACC,
+                    TICKETS, ERR,
                     STATS_START, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                     stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
                     win_right, items_per_head, total_items, qk_scale, sm_scale, max_spin,
@@ -352,7 +374,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, D
                     EVEN_S: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
-                    DK_IN_FLIGHT: gl.constexpr,
+                    DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
                     LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
@@ -367,9 +389,12 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, D
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    # 16-byte chunks XOR-swizzled by row: the MMA layout's stores (8 rows per warp) and the
-    # writer's row loads both hit distinct banks.
-    dq_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+    if DQ_TMA:  # the layout of the TMA reduce-add's box (dq_desc: DQACC as rows of HEAD_D)
+        dq_layout: gl.constexpr = dq_desc.layout
+    else:
+        # 16-byte chunks XOR-swizzled by row: the MMA layout's stores (8 rows per warp) and the
+        # writer's row loads both hit distinct banks.
+        dq_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
 
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
@@ -408,9 +433,9 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, D
                            STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                            row_stride, win_left, win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN)),
-        (_dq_partition, (dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
+        (_dq_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
                          HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
                          items_per_head, total_items, max_spin,
                          GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ, ORDERED, WRITER_ROWS,
-                         WINDOW, VARLEN)),
+                         WINDOW, VARLEN, DQ_TMA)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

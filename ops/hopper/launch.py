@@ -125,6 +125,17 @@ def packed_row_stats(lse: torch.Tensor, delta: torch.Tensor, cu_seq_q: torch.Ten
     return stats.view(2, heads * row_stride), start.to(torch.int32), row_stride
 
 
+def _accumulator_descriptor(dq_acc: torch.Tensor | None, rows: int, head_d: int,
+                            device: torch.device) -> TensorDescriptor:
+    """A TMA descriptor over the fp32 dQ accumulator as rows of ``head_d``, for the writer's
+    [rows, head_d] reduce-adds; over a small placeholder that the kernel never touches when dQ is
+    computed apart (``dq_acc`` None)."""
+    acc = (dq_acc if dq_acc is not None
+           else torch.empty((rows, head_d), device=device, dtype=torch.float32)).view(-1, head_d)
+    return TensorDescriptor(acc, list(acc.shape), [head_d, 1], [rows, head_d],
+                            _shared_layout((rows, head_d), torch.float32))
+
+
 def _row_descriptor(row: torch.Tensor, block: int) -> TensorDescriptor:
     """A rank-1 TMA descriptor over one plane of the row stats, for ``block``-element boxes."""
     return TensorDescriptor(row, list(row.shape), [1], [block], _shared_layout((block,), row.dtype))
@@ -168,14 +179,16 @@ def _fit(schedule: catalog.Schedule, causal: bool, window: tuple[int, int], n_kv
     return (fitted, reason) if reason else fit_schedule(schedule, causal, n_kv, capacity, shape)
 
 
-def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor, dq_acc: torch.Tensor,
-            tickets: torch.Tensor, error_flag: torch.Tensor, packed: tuple | None,
+def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor,
+            dq_acc: torch.Tensor | None, tickets: torch.Tensor, error_flag: torch.Tensor,
+            packed: tuple | None,
             sizes: tuple[int, ...], schedule: catalog.Schedule, cfg: HopperBackwardConfig, *,
             is_causal: bool, window: tuple[int, int], scale: float, max_spin: int,
             even_s: bool) -> tuple[int]:
     """One launch of the backward kernel over (B, H, N, D) ``views`` = (q, k, v, grad_out, dk,
     dv); ``sizes`` = (batch entries, L, S, Q tiles, KV tiles, rows per head of the stats and the
-    dQ accumulator); ``tickets`` and ``error_flag`` zeros; return the grid."""
+    dQ accumulator); ``dq_acc`` None when dQ is computed apart; ``tickets`` and ``error_flag``
+    zeros; return the grid."""
     q, k, v, grad_out, dk, dv = views
     batch, seq_q, seq_k, n_q, n_kv, row_stride = sizes
     hq, hkv = q.shape[1], k.shape[1]
@@ -187,7 +200,9 @@ def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor, dq_acc
     backward_kernel[grid](
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
         _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
-        _row_descriptor(stats[1], cfg.block_m), dk, dv, dq_acc, tickets, error_flag, stats_start,
+        _row_descriptor(stats[1], cfg.block_m),
+        _accumulator_descriptor(dq_acc, cfg.block_m, q.shape[3], q.device), dk, dv,
+        stats if dq_acc is None else dq_acc, tickets, error_flag, stats_start,
         cu_q, cu_k,
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2),
         hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, *window, per_head,
@@ -225,9 +240,9 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         out, grad_out, lse, row_stride=rows, acc_rows=rows,
         acc_dim=0 if schedule.separate_dq else head_d, ticket_rows=cfg.block_m, with_lse2=True)
     error_flag = flags[:1]
-    grid = _launch((q, k, v, grad_out, dk, dv), stats, tickets, stats if dq_acc is None else dq_acc,
-                   tickets, error_flag, None, (batch, seq_q, seq_k, n_q, n_kv, rows), schedule,
-                   cfg, is_causal=is_causal, window=window, scale=scale, max_spin=max_spin,
+    grid = _launch((q, k, v, grad_out, dk, dv), stats, tickets, dq_acc, tickets, error_flag, None,
+                   (batch, seq_q, seq_k, n_q, n_kv, rows), schedule, cfg, is_causal=is_causal,
+                   window=window, scale=scale, max_spin=max_spin,
                    even_s=seq_k % cfg.block_n == 0)
     if is_causal and seq_k > n_q * cfg.block_n:
         dk[:, :, n_q * cfg.block_n:].zero_()
@@ -275,7 +290,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     q4, k4, v4, do4, out4 = (tma_readable(t) for t in heads_first)
     delta = compute_delta(out4, do4)
     stats, stats_start, row_stride = packed_row_stats(lse, delta, cu_seq_q, cu_seq_k, aligned)
-    dq_acc = delta
+    dq_acc = None
     if not schedule.separate_dq:
         dq_acc = torch.zeros((hq, row_stride, head_d), device=q.device, dtype=torch.float32)
     tickets, flags = zeroed_tickets(hq * row_stride, q.device)

@@ -1,10 +1,13 @@
 """Small pieces the Hopper kernels share: partition barriers, TMA copies under the names of the
-installed Triton, the dQ writer's vectorized fp32 adds, and the zeroing of a shared tile's rows."""
+installed Triton, the dQ writer's TMA reduce-add and vectorized fp32 adds, and the zeroing of a
+shared tile's rows."""
 
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
 #: A barrier over the calling partition's warps (``thread_barrier`` until Triton 3.6, ``barrier`` after).
@@ -13,6 +16,31 @@ partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 #: TMA shared-to-global copy (``async_copy_shared_to_global`` until Triton 3.6, ``async_store`` after).
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of shared tile ``src`` into the box at ``coord`` (the op that Triton 3.9
+    names ``tma.async_atomic_add``; 3.6 has the op but no Python name for it)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)
+
+
+#: fp32 adds of a whole shared tile into global memory by the TMA unit, one instruction per
+#: 128-byte column block: ``cp.reduce.async.bulk.tensor ... .add``.
+tma_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
+
+
+@gluon.jit
+def tma_adds_performed():
+    """Wait until this thread's TMA reduce-adds have been performed in global memory, not only
+    read from shared memory (``tma.store_wait`` waits for the reads): an ordered writer releases
+    the next rank's turn only after its adds have landed. Called by a one-warp partition."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.b32 $0, 0;", "=r,r",
+                              [gl.zeros([32], gl.int32, layout=layout)], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
 
 @gluon.jit
