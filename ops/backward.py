@@ -241,6 +241,8 @@ def choose_path(kernel: str, schedule: str, requested: Schedule, q: torch.Tensor
                                      window)
         if path == HOPPER:
             return path, reason, catalog.get(on_hopper)
+        if on_hopper == requested.name:  # asking again would give the same answer
+            return path, reason, requested
     path, reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal, requested.name,
                                  window)
     return path, reason, requested
