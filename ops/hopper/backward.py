@@ -101,21 +101,24 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
 
 
 @gluon.jit
-def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
+def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
                   HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
                   items_per_head, total_items, max_spin,
                   GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                   NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
                   ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
-                  VARLEN: gl.constexpr, DQ_TMA: gl.constexpr):
+                  VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
     TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
-    with vectorized ``red`` adds from registers."""
+    with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release the
+    Q/dO stage of the KV tile's previous step, which the compute warps retired before handing the
+    partial over (one arrive a step fewer for them, each of which costs them two barriers)."""
     if not COMPUTE_DQ:
         return
     DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
     BLOCK_M: gl.constexpr = dq_bufs.shape[1]
     HEAD_D: gl.constexpr = dq_bufs.shape[2]
+    STAGES: gl.constexpr = q_empty.shape[0]
     NSUB: gl.constexpr = BLOCK_N // BLOCK_M
     # Four contiguous floats per lane and no lane holding another's elements (the adds are raw
     # ``red`` instructions: a replicated element would be added twice).
@@ -132,6 +135,7 @@ def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_
             if kv >= 0:
                 first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
                                             WINDOW)
+                first_it = it
                 for g in range(GROUP):
                     row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride, VARLEN)
                     for step in range(count * NSUB):
@@ -144,6 +148,10 @@ def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_
                                 ticket = TICKETS + row_base + gl.maximum(row0, q_lo)
                             else:
                                 ticket = TICKETS + row_base // BLOCK_M + qt * NSUB + step % NSUB
+                            if FREES_STAGES:
+                                mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
+                                if it > first_it:
+                                    mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
                             if ORDERED:
                                 # Wait for the turn before the partial is ready: the turn usually
                                 # comes while this step is still computing, and the compute warps,
@@ -156,7 +164,8 @@ def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_
                                     seen = gl.atomic_add(ticket, 0, sem="acquire")
                                     spins += 1
                                 gl.atomic_max(ERR, 1, mask=seen != turn)
-                            mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
+                            if not FREES_STAGES:
+                                mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
                             base = DQACC + (row_base + row0).to(gl.int64) * HEAD_D
                             buf = dq_bufs.index(d)
                             crossing = VARLEN and walk.crosses_edge(row0, BLOCK_M, q_lo, q_hi)
@@ -269,13 +278,13 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     else:
         dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
     # The compiler brackets each arrive of this two-warpgroup partition with barriers over its
-    # warps (one before, one before the next shared-memory access): with dK in flight the two
-    # arrives go together at the end of the step; with dK retired in the step, the partial goes
-    # to the writer before that wait (measured: docs/kernels-notes.md).
+    # warps (one before, one before the next shared-memory access): with dK in flight one arrive
+    # ends the step; with dK retired in the step, the partial goes to the writer before that wait
+    # (measured: docs/kernels-notes.md).
     if DK_IN_FLIGHT:
-        if COMPUTE_DQ:
+        if COMPUTE_DQ:  # the writer frees the previous step's stage when it takes the partial
             mbarrier.arrive(dq_ready.index(d), count=1)
-        if it > first_it:
+        elif it > first_it:
             mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
     else:
         if COMPUTE_DQ:
@@ -433,9 +442,9 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                            STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                            row_stride, win_left, win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN)),
-        (_dq_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
-                         HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
+        (_dq_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, ERR,
+                         CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
                          items_per_head, total_items, max_spin,
                          GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ, ORDERED, WRITER_ROWS,
-                         WINDOW, VARLEN, DQ_TMA)),
+                         WINDOW, VARLEN, DQ_TMA, DK_IN_FLIGHT)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])
