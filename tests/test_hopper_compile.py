@@ -4,7 +4,9 @@ every variant.
 Gluon does not run in the Triton interpreter, so this is what CI can check of them: each
 (dtype, head dim, schedule, causal) variant goes through the whole pipeline to PTX and cubin, and
 the PTX holds what the design relies on (wgmma, TMA loads, per-partition register budgets, the dQ
-writer's vectorized adds and, for ordered schedules only, its ticket release), and ptxas keeps
+writer's TMA reduce-adds, or its vectorized adds where a packed sub-tile crosses its sequence's
+edge and in the ``red.v4`` writer config, and, for ordered schedules only, its ticket release),
+and ptxas keeps
 the wgmma asynchronous (when it runs short of registers it serializes them, which halves the
 kernel's speed without changing a bit of its output). The compiles run in
 subprocesses without TRITON_INTERPRET (this suite sets it, and Gluon cannot call interpreted
@@ -69,6 +71,15 @@ def test_window_and_packed_backward_compile_for_sm90(variants, head_dim, schedul
                                                      varlen):
     _check_backward(variants[("bf16", head_dim, schedule, causal, aot.variant_name(window, varlen))],
                     schedule, varlen)
+
+
+@pytest.mark.parametrize("schedule, causal", aot.RED_WRITER_VARIANTS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_red_writer_config_compiles_for_sm90(variants, head_dim, schedule, causal):
+    row = variants[("bf16", head_dim, schedule, causal, "dense-red-writer")]
+    assert row["dq_adds"] > 0 and row["dq_tma_adds"] == 0
+    assert row["ticket_release"] > 0 and row["wgmma_serialized"] == 0
+    assert row["shared"] <= 227 * 1024
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

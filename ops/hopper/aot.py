@@ -7,6 +7,7 @@ cubin on a CPU-only machine; a kernel variant that no longer compiles fails ther
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -122,13 +123,19 @@ MASKED_VARIANTS = (("descending", True, True, False), ("ascending", False, True,
                    ("recompute", True, False, True), ("descending", True, True, True))
 
 
+#: The ``red.v4`` dQ writer (``HopperBackwardConfig.dq_tma=False``, kept for A/B runs), compiled
+#: besides in bf16 for one ordered schedule of each mask: variant "dense-red-writer".
+RED_WRITER_VARIANTS = (("shift", False), ("descending", True))
+
+
 def variant_name(window: bool, varlen: bool) -> str:
     """"dense", "window", "varlen" or "varlen+window"."""
     return "+".join(name for name, on in (("varlen", varlen), ("window", window)) if on) or "dense"
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Compile every forward and dense backward variant of one dtype, and in bf16 MASKED_VARIANTS;
+    """Compile every forward and dense backward variant of one dtype, and in bf16 MASKED_VARIANTS
+    and RED_WRITER_VARIANTS;
     print one JSON line per variant (``schedule`` is "forward" for the forward kernel)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--dtype", choices=sorted(_GL_DTYPES), required=True)
@@ -150,6 +157,13 @@ def main(argv: list[str] | None = None) -> None:
                                         window=window, varlen=varlen)
             key = dict(dtype=args.dtype, head_dim=head_dim, schedule=schedule, causal=causal,
                        variant=variant_name(window, varlen))
+            print(json.dumps({**key, **summary(compiled)}), flush=True)
+        for schedule, causal in RED_WRITER_VARIANTS if args.dtype == "bf16" else ():
+            cfg = dataclasses.replace(backward_config(head_dim, causal), dq_tma=False)
+            compiled = compile_backward(args.dtype, head_dim, schedule, causal, even_s=not causal,
+                                        cfg=cfg)
+            key = dict(dtype=args.dtype, head_dim=head_dim, schedule=schedule, causal=causal,
+                       variant="dense-red-writer")
             print(json.dumps({**key, **summary(compiled)}), flush=True)
 
 
