@@ -135,8 +135,8 @@ def variant_name(window: bool, varlen: bool) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Compile every forward and dense backward variant of one dtype, and in bf16 MASKED_VARIANTS
-    and RED_WRITER_VARIANTS;
-    print one JSON line per variant (``schedule`` is "forward" for the forward kernel)."""
+    and RED_WRITER_VARIANTS; print one JSON line per variant (``schedule`` is "forward" for the
+    forward kernel)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--dtype", choices=sorted(_GL_DTYPES), required=True)
     args = parser.parse_args(argv)
