@@ -374,10 +374,10 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
 
 @gluon.jit
 def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, DQACC,
-                    TICKETS, ERR,
-                    STATS_START, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
-                    stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
-                    win_right, items_per_head, total_items, qk_scale, sm_scale, max_spin,
+                    TICKETS, ERR, STATS_START, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn,
+                    stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+                    row_stride, win_left, win_right, items_per_head, total_items, qk_scale,
+                    sm_scale, max_spin,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, ORDERED: gl.constexpr,
                     EVEN_S: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,

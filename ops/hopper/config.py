@@ -61,8 +61,9 @@ class HopperBackwardConfig:
     flight into the next step (else it reads registers and retires in its step); registers per
     worker partition (setmaxnreg); ``dq_tma``: the dQ writer adds each partial with one TMA
     reduce-add, else with ``red.v4`` adds from registers. Three Q/dO stages and one dQ buffer
-    measured faster than two and two (d128 N = 4k full shift: 464 vs 433 TFLOP/s on an H100; both
-    take ~210 KiB of shared memory; with the TMA writer 465 vs 362, causal 411 vs 424). The TMA
+    measured faster than two and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an
+    H100; with the TMA writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower
+    causal in one run (411 vs 424; 16k causal 462 vs 465), so one config serves both. The TMA
     writer measured faster at d128 (H100, 4k full shift 469 vs 441, descending 421 vs 364,
     causal shift 415 vs 403) and within 2% at d64 (shift 344 vs 349, atomic 400 vs 363).
     """

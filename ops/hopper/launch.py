@@ -181,10 +181,9 @@ def _fit(schedule: catalog.Schedule, causal: bool, window: tuple[int, int], n_kv
 
 def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor,
             dq_acc: torch.Tensor | None, tickets: torch.Tensor, error_flag: torch.Tensor,
-            packed: tuple | None,
-            sizes: tuple[int, ...], schedule: catalog.Schedule, cfg: HopperBackwardConfig, *,
-            is_causal: bool, window: tuple[int, int], scale: float, max_spin: int,
-            even_s: bool) -> tuple[int]:
+            packed: tuple | None, sizes: tuple[int, ...], schedule: catalog.Schedule,
+            cfg: HopperBackwardConfig, *, is_causal: bool, window: tuple[int, int], scale: float,
+            max_spin: int, even_s: bool) -> tuple[int]:
     """One launch of the backward kernel over (B, H, N, D) ``views`` = (q, k, v, grad_out, dk,
     dv); ``sizes`` = (batch entries, L, S, Q tiles, KV tiles, rows per head of the stats and the
     dQ accumulator); ``dq_acc`` None when dQ is computed apart; ``tickets`` and ``error_flag``
@@ -202,8 +201,7 @@ def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor,
         _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
         _row_descriptor(stats[1], cfg.block_m),
         _accumulator_descriptor(dq_acc, cfg.block_m, q.shape[3], q.device), dk, dv,
-        stats if dq_acc is None else dq_acc, tickets, error_flag, stats_start,
-        cu_q, cu_k,
+        stats if dq_acc is None else dq_acc, tickets, error_flag, stats_start, cu_q, cu_k,
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2),
         hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, *window, per_head,
         total_items, scale * LOG2E, scale, max_spin,
