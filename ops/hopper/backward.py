@@ -10,11 +10,11 @@ al. 2024, and of DASH's dQ writer, Qiang et al. 2026):
   shared memory, through mbarrier rings.
 - ``_compute_partition`` (the default partition, two warpgroups): keeps dK and dV in registers,
   computes S^T, P^T, dP^T, dS^T with wgmma, and hands each step's dQ partial to shared memory.
-- ``_dq_partition`` (1 warp): adds each dQ partial into the fp32 accumulator with one TMA
-  reduce-add (FlashAttention-3's bulk reduce). Ordered schedules wait for the partial's ticket
-  (acquire), add, wait until the adds are performed in global memory (not only read from shared
-  memory) and release the ticket to the next rank, so the sum of every dQ element runs in the
-  schedule's fixed order while the compute warps go on.
+- ``dq_writer_partition`` (1 warp, ``dq_writer.py``): adds each dQ partial into the fp32
+  accumulator with one TMA reduce-add (FlashAttention-3's bulk reduce). Ordered schedules wait for
+  the partial's ticket (acquire), add, wait until the adds are performed in global memory (not
+  only read from shared memory) and release the ticket to the next rank, so the sum of every dQ
+  element runs in the schedule's fixed order while the compute warps go on.
 
 Queries sit along dim 1 of S^T (keys along dim 0), so dK and dV accumulate from registers, and
 dS^T goes through shared memory once to feed dQ = dS K.
@@ -33,12 +33,12 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
 from . import walk
-from .primitives import (partition_barrier, red_add, red_add_rows, tma_add, tma_adds_performed,
-                         tma_load, zero_outside)
+from .dq_writer import dq_writer_partition
+from .primitives import partition_barrier, tma_load, zero_outside
 
 
 @gluon.jit
@@ -97,104 +97,6 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                             stats_row = row_base + stats_shift + row0
                             tma_load(lse_desc, [stats_row], bar, lse_bufs.index(s))
                             tma_load(delta_desc, [stats_row], bar, delta_bufs.index(s))
-                            it += 1
-
-
-@gluon.jit
-def _dq_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
-                  HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
-                  items_per_head, total_items, max_spin,
-                  GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
-                  NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
-                  ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
-                  VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr):
-    """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
-    TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
-    with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release the
-    Q/dO stage of the KV tile's previous step, which the compute warps retired before handing the
-    partial over (one arrive a step fewer for them, each of which costs them two barriers)."""
-    if not COMPUTE_DQ:
-        return
-    DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
-    BLOCK_M: gl.constexpr = dq_bufs.shape[1]
-    HEAD_D: gl.constexpr = dq_bufs.shape[2]
-    STAGES: gl.constexpr = q_empty.shape[0]
-    NSUB: gl.constexpr = BLOCK_N // BLOCK_M
-    # Four contiguous floats per lane and no lane holding another's elements (the adds are raw
-    # ``red`` instructions: a replicated element would be added twice).
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // HEAD_D, HEAD_D // 4], [1, 1], [1, 0])
-    offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
-    it = 0
-    for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
-        b, hkv, item = walk.work_head(work, items_per_head, HKV)
-        q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
-            b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
-        for slot in range(NUM_SLOTS):
-            kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
-            if kv >= 0:
-                first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
-                                            WINDOW)
-                first_it = it
-                for g in range(GROUP):
-                    row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride, VARLEN)
-                    for step in range(count * NSUB):
-                        qt, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
-                                                        tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,
-                                                        CAUSAL, WINDOW, VARLEN, SCHEDULE)
-                        if live:
-                            d = it % DQ_STAGES
-                            if VARLEN:  # one ticket per (head, first real row of the sub-tile)
-                                ticket = TICKETS + row_base + gl.maximum(row0, q_lo)
-                            else:
-                                ticket = TICKETS + row_base // BLOCK_M + qt * NSUB + step % NSUB
-                            if FREES_STAGES:
-                                mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
-                                if it > first_it:
-                                    mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
-                            if ORDERED:
-                                # Wait for the turn before the partial is ready: the turn usually
-                                # comes while this step is still computing, and the compute warps,
-                                # which wait for the staging buffer, never wait for a poll.
-                                turn = walk.rank(qt, kv, tiles_q, tiles_kv, BLOCK_N, win_left,
-                                                 CAUSAL, WINDOW, SCHEDULE)
-                                seen = gl.atomic_add(ticket, 0, sem="acquire")
-                                spins = 0
-                                while (seen != turn) & (spins < max_spin):
-                                    seen = gl.atomic_add(ticket, 0, sem="acquire")
-                                    spins += 1
-                                gl.atomic_max(ERR, 1, mask=seen != turn)
-                            if not FREES_STAGES:
-                                mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
-                            base = DQACC + (row_base + row0).to(gl.int64) * HEAD_D
-                            buf = dq_bufs.index(d)
-                            crossing = VARLEN and walk.crosses_edge(row0, BLOCK_M, q_lo, q_hi)
-                            # One TMA reduce-add per partial, or red.v4 adds from registers. Only
-                            # a packed sub-tile that crosses its sequence's edge adds row by row
-                            # (its own rows): predicated adds become a branch per add in SASS,
-                            # with no shared memory load in flight across it, and made the writer
-                            # the packed kernel's bottleneck (docs/kernels-notes.md).
-                            if DQ_TMA and not crossing:
-                                tma_add(dq_desc, [row_base + row0, 0], buf)
-                                tma.store_wait(0)  # read: the staging buffer is free again
-                            elif crossing:
-                                for r in gl.static_range(0, BLOCK_M, ROWS):
-                                    vals = buf.slice(r, ROWS, dim=0).load(layout)
-                                    ptrs = base + (r + offs_r)[:, None] * HEAD_D + offs_d[None, :]
-                                    rows = row0 + r + offs_r
-                                    keep = ((rows >= q_lo) & (rows < q_hi)).to(gl.int32)
-                                    red_add_rows(ptrs, vals, keep[:, None] + 0 * offs_d[None, :])
-                            else:
-                                for r in gl.static_range(0, BLOCK_M, ROWS):
-                                    vals = buf.slice(r, ROWS, dim=0).load(layout)
-                                    ptrs = base + (r + offs_r)[:, None] * HEAD_D + offs_d[None, :]
-                                    red_add(ptrs, vals)
-                            mbarrier.arrive(dq_empty.index(d), count=1)
-                            if ORDERED:
-                                if DQ_TMA:
-                                    tma_adds_performed()
-                                partition_barrier()  # every lane's adds are issued before the release
-                                gl.atomic_add(ticket, 1, sem="release")
                             it += 1
 
 
@@ -442,7 +344,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                            STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                            row_stride, win_left, win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN)),
-        (_dq_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, ERR,
+        (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, ERR,
                          CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
                          items_per_head, total_items, max_spin,
                          GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ, ORDERED, WRITER_ROWS,
