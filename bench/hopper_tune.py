@@ -62,6 +62,7 @@ def main() -> int:
                 log(f"{shape} causal={causal} {schedule:10s} " + "  ".join(
                     f"{name}={row[name]:.0f}" for name in configs))
     if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         with open(f"{args.out}/hopper_tune.json", "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": triton.__version__, "rows": rows}, f, indent=1)

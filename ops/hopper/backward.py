@@ -38,7 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import walk
 from .dq_writer import dq_writer_partition
-from .primitives import partition_barrier, tma_load, zero_outside
+from .primitives import (LAST_NAMED_BARRIER, named_barrier_arrive, partition_barrier, tma_load,
+                         zero_outside)
 
 
 @gluon.jit
@@ -106,7 +107,8 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
           S, win_left, win_right, qk_scale, sm_scale, s_layout: gl.constexpr,
           a_layout: gl.constexpr, dq_layout: gl.constexpr, CAUSAL: gl.constexpr,
           WINDOW: gl.constexpr, VARLEN: gl.constexpr, EVEN_S: gl.constexpr,
-          COMPUTE_DQ: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, num_warps: gl.constexpr):
+          COMPUTE_DQ: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
+          WRITER_FREES: gl.constexpr, num_warps: gl.constexpr):
     """One step of a KV tile: S^T, P^T, dP^T, dS^T for the Q sub-tile of rows [row0, row0 +
     BLOCK_M) in stage ``it``; dV and dK accumulate (returned), the dQ partial goes to the writer."""
     STAGES: gl.constexpr = q_bufs.shape[0]
@@ -172,25 +174,31 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     else:
         dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
     d = it % DQ_STAGES
+    # The compiler brackets each mbarrier arrive of this two-warpgroup partition with barriers
+    # over its warps (one before, one before the next shared-memory access); a named barrier's
+    # arrive (NAMED_HANDOFF) is each thread's own. Where the writer frees the stages
+    # (WRITER_FREES), the step hands over its partial and nothing else.
     if COMPUTE_DQ:
-        dq, dv, dk = warpgroup_mma_wait(1, deps=(dq, dv, dk))
+        if WRITER_FREES and not DK_IN_FLIGHT:
+            # dK retires before the hand-off, so that the writer frees this step's stage with
+            # its partial. (Retiring it after the dQ store, under that store, crashed ptxas
+            # 12.8 and 12.9.)
+            dq, dv, dk = warpgroup_mma_wait(0, deps=(dq, dv, dk))
+        else:
+            dq, dv, dk = warpgroup_mma_wait(1, deps=(dq, dv, dk))
         mbarrier.wait(dq_empty.index(d), ((it // DQ_STAGES) & 1) ^ 1)
         dq_bufs.index(d).store(dq * sm_scale)
         fence_async_shared()  # the writer's TMA reads the partial (the async proxy)
+        if NAMED_HANDOFF:
+            named_barrier_arrive(LAST_NAMED_BARRIER - d, 32 * num_warps + 32, num_warps)
+        else:
+            mbarrier.arrive(dq_ready.index(d), count=1)
     else:
         dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
-    # The compiler brackets each arrive of this two-warpgroup partition with barriers over its
-    # warps (one before, one before the next shared-memory access): with dK in flight one arrive
-    # ends the step; with dK retired in the step, the partial goes to the writer before that wait
-    # (measured: docs/kernels-notes.md).
-    if DK_IN_FLIGHT:
-        if COMPUTE_DQ:  # the writer frees the previous step's stage when it takes the partial
-            mbarrier.arrive(dq_ready.index(d), count=1)
-        elif it > first_it:
+    if DK_IN_FLIGHT:  # the previous step's MMAs are retired (by this step's first wait)
+        if not WRITER_FREES and it > first_it:
             mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
-    else:
-        if COMPUTE_DQ:
-            mbarrier.arrive(dq_ready.index(d), count=1)
+    elif not WRITER_FREES:
         # dK from registers must retire within its step: left in flight, it made ptxas serialize
         # every wgmma (advisory C7512).
         dk = warpgroup_mma_wait(0, deps=(dk, ))
@@ -207,6 +215,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                        GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                        NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, EVEN_S: gl.constexpr,
                        DK_IN_FLIGHT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+                       NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
                        num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
@@ -256,7 +265,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                                            dk, dv, it, first_it, row0, cols, q_lo, q_hi, k_lo,
                                            k_hi, S, win_left, win_right, qk_scale, sm_scale,
                                            s_layout, a_layout, dq_layout, CAUSAL, WINDOW, VARLEN,
-                                           EVEN_S, COMPUTE_DQ, DK_IN_FLIGHT, num_warps)
+                                           EVEN_S, COMPUTE_DQ, DK_IN_FLIGHT, NAMED_HANDOFF,
+                                           WRITER_FREES, num_warps)
                             it += 1
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
                 if DK_IN_FLIGHT and it > first_it:
@@ -285,7 +295,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                     EVEN_S: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
-                    DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
+                    DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
                     LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
@@ -307,6 +317,11 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
         # writer's row loads both hit distinct banks.
         dq_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    # The writer frees the Q/dO stages as it takes the partials, which the compute warps hand
+    # over only after retiring the stage's MMAs: with dK in flight, the previous step's stage
+    # (this step's first wait retired it); with the named hand-off and dK retired in its step,
+    # the step's own. Then a compute step ends with one arrive, or with none on a named barrier.
+    WRITER_FREES: gl.constexpr = COMPUTE_DQ and (DK_IN_FLIGHT or NAMED_HANDOFF)
 
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
@@ -338,7 +353,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                               stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                               win_left, win_right, items_per_head, total_items, qk_scale, sm_scale,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
-                              WINDOW, VARLEN, num_warps)),
+                              WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
@@ -348,5 +363,6 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                          CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
                          items_per_head, total_items, max_spin,
                          GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ, ORDERED, WRITER_ROWS,
-                         WINDOW, VARLEN, DQ_TMA, DK_IN_FLIGHT)),
+                         WINDOW, VARLEN, DQ_TMA, WRITER_FREES, DK_IN_FLIGHT, NAMED_HANDOFF,
+                         32 * num_warps + 32)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

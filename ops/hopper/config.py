@@ -60,7 +60,11 @@ class HopperBackwardConfig:
     ahead of the dQ writer; ``dk_in_flight``: dK's MMA reads dS^T from shared memory and stays in
     flight into the next step (else it reads registers and retires in its step); registers per
     worker partition (setmaxnreg); ``dq_tma``: the dQ writer adds each partial with one TMA
-    reduce-add, else with ``red.v4`` adds from registers. Three Q/dO stages and one dQ buffer
+    reduce-add, else with ``red.v4`` adds from registers; ``named_handoff``: the compute warps
+    hand each partial to the writer on a named barrier, every thread arriving on its own (an
+    mbarrier arrive costs them two barriers over both warpgroups), and the writer frees the
+    Q/dO stages, else the partial goes through an mbarrier and the stages are freed by the
+    compute warps (by the writer too when dK is in flight). Three Q/dO stages and one dQ buffer
     measured faster than two and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an
     H100; with the TMA writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower
     causal in one run (411 vs 424; 16k causal 462 vs 465), so one config serves both. The TMA
@@ -75,6 +79,7 @@ class HopperBackwardConfig:
     writer_rows: int = 8
     dk_in_flight: bool = True
     dq_tma: bool = True
+    named_handoff: bool = True
     load_regs: int = 24
     writer_regs: int = 48
     num_warps: int = 8
@@ -85,9 +90,14 @@ def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
 
     dK stays in flight across steps only at head dim 128 without a mask, where it measured
     faster; causal and head dim 64 ran 2-6% faster with dK retired in its step (H100,
-    ``bench/hopper_tune.py``; docs/kernels-notes.md).
+    ``bench/hopper_tune.py``; docs/kernels-notes.md). The partial goes to the writer on a named
+    barrier except at head dim 128 with a causal mask: there the writer, which then frees the
+    stages, delayed the loader at 16k (shift 441-472 against 472-487 TFLOP/s), while head dim
+    64 gained 3-6% (4k shift 365 against 343-346) and 128 unmasked about 1%.
     """
-    return HopperBackwardConfig(dk_in_flight=head_dim == 128 and not causal)
+    causal_128 = head_dim == 128 and causal
+    return HopperBackwardConfig(dk_in_flight=head_dim == 128 and not causal,
+                                named_handoff=not causal_128)
 
 
 @dataclass(frozen=True)
@@ -130,5 +140,6 @@ def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
                 WINDOW=window, VARLEN=varlen,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                 DQ_STAGES=cfg.dq_stages, WRITER_ROWS=cfg.writer_rows,
-                DK_IN_FLIGHT=cfg.dk_in_flight, DQ_TMA=cfg.dq_tma, LOAD_REGS=cfg.load_regs,
+                DK_IN_FLIGHT=cfg.dk_in_flight, DQ_TMA=cfg.dq_tma,
+                NAMED_HANDOFF=cfg.named_handoff, LOAD_REGS=cfg.load_regs,
                 WRITER_REGS=cfg.writer_regs, num_warps=cfg.num_warps)

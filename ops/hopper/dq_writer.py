@@ -9,7 +9,18 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from . import walk
-from .primitives import partition_barrier, red_add, red_add_rows, tma_add, tma_adds_performed
+from .primitives import (LAST_NAMED_BARRIER, named_barrier_sync, partition_barrier, red_add,
+                         red_add_rows, tma_add, tma_adds_performed)
+
+
+@gluon.jit
+def _take_partial(dq_ready, it, NAMED_HANDOFF: gl.constexpr, HANDOFF_THREADS: gl.constexpr):
+    """Wait until the compute warps have stored partial ``it`` (and fenced it for the TMA)."""
+    DQ_STAGES: gl.constexpr = dq_ready.shape[0]
+    if NAMED_HANDOFF:
+        named_barrier_sync(LAST_NAMED_BARRIER - it % DQ_STAGES, HANDOFF_THREADS)
+    else:
+        mbarrier.wait(dq_ready.index(it % DQ_STAGES), (it // DQ_STAGES) & 1)
 
 
 @gluon.jit
@@ -19,12 +30,15 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                   GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                   NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
                   ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
-                  VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr):
+                  VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
+                  PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr, HANDOFF_THREADS: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
     TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
-    with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release the
-    Q/dO stage of the KV tile's previous step, which the compute warps retired before handing the
-    partial over (one arrive a step fewer for them, each of which costs them two barriers)."""
+    with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release a
+    Q/dO stage that the compute warps retired before handing the partial over: the KV tile's
+    previous step's with PREVIOUS_STAGE (dK in flight), else the partial's own (one arrive a
+    step fewer for them, each of which costs them two barriers). NAMED_HANDOFF: the partial
+    comes on a named barrier of HANDOFF_THREADS threads, else on the ``dq_ready`` mbarrier."""
     if not COMPUTE_DQ:
         return
     DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
@@ -61,8 +75,10 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                             else:
                                 ticket = TICKETS + row_base // BLOCK_M + qt * NSUB + step % NSUB
                             if FREES_STAGES:
-                                mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
-                                if it > first_it:
+                                _take_partial(dq_ready, it, NAMED_HANDOFF, HANDOFF_THREADS)
+                                if not PREVIOUS_STAGE:
+                                    mbarrier.arrive(q_empty.index(it % STAGES), count=1)
+                                elif it > first_it:
                                     mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
                             if ORDERED:
                                 # Without FREES_STAGES the turn is polled before the partial is
@@ -78,7 +94,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                                     spins += 1
                                 gl.atomic_max(ERR, 1, mask=seen != turn)
                             if not FREES_STAGES:
-                                mbarrier.wait(dq_ready.index(d), (it // DQ_STAGES) & 1)
+                                _take_partial(dq_ready, it, NAMED_HANDOFF, HANDOFF_THREADS)
                             base = DQACC + (row_base + row0).to(gl.int64) * HEAD_D
                             buf = dq_bufs.index(d)
                             crossing = VARLEN and walk.crosses_edge(row0, BLOCK_M, q_lo, q_hi)

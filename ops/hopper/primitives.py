@@ -1,6 +1,6 @@
-"""Small pieces the Hopper kernels share: partition barriers, TMA copies under the names of the
-installed Triton, the dQ writer's TMA reduce-add and vectorized fp32 adds, and the zeroing of a
-shared tile's rows."""
+"""Small pieces the Hopper kernels share: partition barriers, named barriers between partitions,
+TMA copies under the names of the installed Triton, the dQ writer's TMA reduce-add and vectorized
+fp32 adds, and the zeroing of a shared tile's rows."""
 
 from __future__ import annotations
 
@@ -16,6 +16,35 @@ partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 #: TMA shared-to-global copy (``async_copy_shared_to_global`` until Triton 3.6, ``async_store`` after).
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+#: Hardware barriers 0 to 4 serve Triton's warp specialization (the default partition, the start
+#: barrier, one per worker partition); the kernels' own named barriers count down from the last.
+LAST_NAMED_BARRIER = gl.constexpr(15)
+
+
+@gluon.jit
+def named_barrier_arrive(index, threads: gl.constexpr, num_warps: gl.constexpr):
+    """Every thread of the calling ``num_warps``-warp partition arrives on named barrier ``index``
+    of ``threads`` participants, without waiting (``bar.arrive``: its prior memory accesses are
+    performed before the waiters go on). Unlike ``mbarrier.arrive``, which one elected thread
+    issues after a barrier over the whole partition, this holds back none of the caller's warps."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    gl.inline_asm_elementwise("bar.arrive $1, $2;\n mov.b32 $0, 0;", "=r,r,r",
+                              [gl.full([32 * num_warps], index, gl.int32, layout=layout),
+                               gl.full([32 * num_warps], threads, gl.int32, layout=layout)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def named_barrier_sync(index, threads: gl.constexpr):
+    """The calling one-warp partition waits on named barrier ``index`` until all ``threads``
+    participants (its own 32 included) have arrived (``bar.sync``)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.inline_asm_elementwise("bar.sync $1, $2;\n mov.b32 $0, 0;", "=r,r,r",
+                              [gl.full([32], index, gl.int32, layout=layout),
+                               gl.full([32], threads, gl.int32, layout=layout)],
+                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @builtin
