@@ -39,6 +39,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's determin
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
 
@@ -288,4 +289,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    status = main()
+    # A gloo worker thread may still be dropping the last collective's tensors when main returns;
+    # that needs the GIL, and once Python is finalizing, taking it ends the thread inside C++ and
+    # aborts the process ("terminate called without an active exception", a core dump showed
+    # it). Everything is printed and the group destroyed by now: leave without finalizing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
