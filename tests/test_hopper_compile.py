@@ -5,8 +5,8 @@ Gluon does not run in the Triton interpreter, so this is what CI can check of th
 (dtype, head dim, schedule, causal) variant goes through the whole pipeline to PTX and cubin, and
 the PTX holds what the design relies on (wgmma, TMA loads, per-partition register budgets, the dQ
 writer's TMA reduce-adds, or its vectorized adds where a packed sub-tile crosses its sequence's
-edge and in the ``red.v4`` writer config, and, for ordered schedules only, its ticket release),
-and ptxas keeps
+edge and in the ``red.v4`` writer config, the partial's hand-off on a named barrier where the
+config asks for it, and, for ordered schedules only, its ticket release), and ptxas keeps
 the wgmma asynchronous (when it runs short of registers it serializes them, which halves the
 kernel's speed without changing a bit of its output). The compiles run in
 subprocesses without TRITON_INTERPRET (this suite sets it, and Gluon cannot call interpreted
@@ -22,6 +22,7 @@ import pytest
 
 from dash_inductor.ops import catalog
 from dash_inductor.ops.hopper import aot
+from dash_inductor.ops.hopper.config import backward_config
 
 DTYPES = ("bf16", "fp16")
 
@@ -43,8 +44,11 @@ def variants() -> dict[tuple, dict]:
     return found
 
 
-def _check_backward(row: dict, schedule: str, varlen: bool = False) -> None:
+def _check_backward(row: dict, schedule: str, head_dim: int, causal: bool,
+                    varlen: bool = False) -> None:
     sched = catalog.get(schedule)
+    named = backward_config(head_dim, causal).named_handoff and not sched.separate_dq
+    assert (row["named_arrives"] > 0) == named
     assert row["cubin_bytes"] > 0
     assert row["wgmma"] > 0
     assert row["tma_loads"] >= 4  # K, V, Q, dO (the compiler may duplicate a load on two paths)
@@ -62,7 +66,8 @@ def _check_backward(row: dict, schedule: str, varlen: bool = False) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_compiles_for_sm90(variants, dtype, head_dim, schedule, causal):
-    _check_backward(variants[(dtype, head_dim, schedule, causal, "dense")], schedule)
+    _check_backward(variants[(dtype, head_dim, schedule, causal, "dense")], schedule, head_dim,
+                    causal)
 
 
 @pytest.mark.parametrize("schedule, causal, window, varlen", aot.MASKED_VARIANTS)
@@ -70,7 +75,7 @@ def test_backward_compiles_for_sm90(variants, dtype, head_dim, schedule, causal)
 def test_window_and_packed_backward_compile_for_sm90(variants, head_dim, schedule, causal, window,
                                                      varlen):
     _check_backward(variants[("bf16", head_dim, schedule, causal, aot.variant_name(window, varlen))],
-                    schedule, varlen)
+                    schedule, head_dim, causal, varlen)
 
 
 @pytest.mark.parametrize("schedule, causal", aot.RED_WRITER_VARIANTS)
@@ -78,6 +83,7 @@ def test_window_and_packed_backward_compile_for_sm90(variants, head_dim, schedul
 def test_red_writer_config_compiles_for_sm90(variants, head_dim, schedule, causal):
     row = variants[("bf16", head_dim, schedule, causal, "dense-red-writer")]
     assert row["dq_adds"] > 0 and row["dq_tma_adds"] == 0
+    assert (row["named_arrives"] > 0) == backward_config(head_dim, causal).named_handoff
     assert row["ticket_release"] > 0 and row["wgmma_serialized"] == 0
     assert row["shared"] <= 227 * 1024
 

@@ -90,6 +90,7 @@ _PTX_FEATURES = {
     "dq_adds": r"red\.global\.gpu\.relaxed\.add\.v4\.f32",
     "dq_tma_adds": r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add",
     "ticket_release": r"(?:atom|red)\.global\.gpu\.release\.add",
+    "named_arrives": r"\bbar\.arrive\b",
 }
 
 

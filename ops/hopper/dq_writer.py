@@ -31,7 +31,8 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                   NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
                   ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
                   VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
-                  PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr, HANDOFF_THREADS: gl.constexpr):
+                  PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
+                  HANDOFF_THREADS: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
     TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
     with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release a
