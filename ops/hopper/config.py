@@ -92,8 +92,9 @@ def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
     faster; causal and head dim 64 ran 2-6% faster with dK retired in its step (H100,
     ``bench/hopper_tune.py``; docs/kernels-notes.md). The partial goes to the writer on a named
     barrier except at head dim 128 with a causal mask: there the writer, which then frees the
-    stages, delayed the loader at 16k (shift 441-472 against 472-487 TFLOP/s), while head dim
-    64 gained 3-6% (4k shift 365 against 343-346) and 128 unmasked about 1%.
+    stages, delayed the loader at 16k (shift 431-483 TFLOP/s over seven timings against
+    472-487), while head dim 64 gained 3-6% (4k shift 365 against 343-346) and 128 unmasked
+    about 1%.
     """
     causal_128 = head_dim == 128 and causal
     return HopperBackwardConfig(dk_in_flight=head_dim == 128 and not causal,
