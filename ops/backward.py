@@ -38,7 +38,8 @@ from .plan import Plan
 from .tickets import add_in_turn, release_last
 from .dq_pass import launch_dq_pass, load_row_stats
 from .preprocess import prepare
-from .tiles import LOG2E, diagonal_origin, load_rows, mm, sequence_bounds, window_keep
+from .tiles import (KERNEL_LOG2E, LOG2E, diagonal_origin, load_rows, mm, sequence_bounds,
+                    window_keep)
 
 
 @triton.jit
@@ -52,7 +53,7 @@ def _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn,
     if MASK_KIND == 2:
         add = tl.load(MASK + m_base + cols[:, None] * stride_mn + rows[None, :] * stride_mm,
                       mask=(cols[:, None] < S) & (rows[None, :] < L), other=0.0)
-        s_t = s_t + add.to(tl.float32) * 1.4426950408889634
+        s_t = s_t + add.to(tl.float32) * KERNEL_LOG2E
     return s_t
 
 

@@ -13,6 +13,9 @@ import triton.language as tl
 
 #: log2(e): scores times ``scale * LOG2E`` are in the exp2 domain the kernels' softmax runs in.
 LOG2E = 1.4426950408889634
+#: LOG2E as ``@triton.jit`` code reads it (a kernel cannot read a plain float global, and the
+#: launchers pass ``scale * LOG2E`` as a float argument, which a constexpr would turn into one).
+KERNEL_LOG2E = tl.constexpr(LOG2E)
 #: ln(2): turns a log2-domain logsumexp back into the natural-log one the op returns.
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -21,7 +24,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 def exp2_logsumexp(lse):
     """A natural-log logsumexp in the exp2 domain (times LOG2E), +inf where the row saw no key
     (-inf), so that P = exp2(S - lse2) is 0 there."""
-    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return tl.where(lse == float("-inf"), float("inf"), lse * KERNEL_LOG2E)
 
 
 @triton.jit
@@ -144,7 +147,7 @@ def masked_scores(q, k, rows, cols, L, S, diag, qk_scale, MASK, stride_mm, strid
     if MASK_KIND == 2:
         add = tl.load(MASK + rows[:, None] * stride_mm + cols[None, :] * stride_mn,
                       mask=(rows[:, None] < L) & (cols[None, :] < S), other=0.0)
-        s = s + add.to(tl.float32) * 1.4426950408889634
+        s = s + add.to(tl.float32) * KERNEL_LOG2E
     if BOUNDS:
         s = tl.where(cols[None, :] < S, s, float("-inf"))
     if CAUSAL:
