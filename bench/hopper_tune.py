@@ -1,11 +1,14 @@
 """Time the Hopper backward's tile configurations against each other, in one process.
 
-    python3 bench/hopper_tune.py [--config block_m=64,stages=3,dq_stages=1 ...] [--out DIR]
+    python3 bench/hopper_tune.py [--config block_m=64,stages=3,dq_stages=1 ...]
+        [--shape 4,16,4,4096,128 ...] [--causal yes|no] [--rounds 3] [--out DIR]
 
 Each ``--config`` overrides fields of :class:`~dash_inductor.ops.hopper.config.HopperBackwardConfig`
-(the default config is always timed first). Prints one line per (shape, causal, schedule) with
-the backward TFLOP/s of every config, as ``bench/hopper_check.py`` counts them, and writes
-``hopper_tune.json`` to ``--out``. The tuning decisions in docs/kernels-notes.md come from here.
+(the default config is always timed first). ``--shape B,Hq,Hkv,N,D`` replaces the default shapes;
+``--rounds`` times the configs that many times, alternating, for the spread between timings.
+Prints one line per (shape, causal, schedule, round) with the backward TFLOP/s of every config,
+as ``bench/hopper_check.py`` counts them, and writes ``hopper_tune.json`` to ``--out``. The
+tuning decisions in docs/kernels-notes.md come from here.
 """
 
 from __future__ import annotations
@@ -35,32 +38,49 @@ def parse_config(text: str, head_dim: int, causal: bool) -> HopperBackwardConfig
                                **{k: int(v) for k, v in fields.items()})
 
 
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """``"4,16,4,4096,128"`` -> (batch, query heads, KV heads, sequence length, head dim)."""
+    shape = tuple(int(x) for x in text.split(","))
+    if len(shape) != 5 or min(shape) < 1 or shape[1] % shape[2]:
+        raise argparse.ArgumentTypeError(
+            f"--shape takes B,Hq,Hkv,N,D, positive, Hkv dividing Hq; got {text!r}")
+    return shape  # type: ignore[return-value]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[], help="fields to override")
     parser.add_argument("--schedule", action="append", default=None)
+    parser.add_argument("--shape", action="append", type=parse_shape, default=None,
+                        help="B,Hq,Hkv,N,D (repeatable; default: the three shapes of SHAPES)")
+    parser.add_argument("--causal", choices=("yes", "no"), default=None,
+                        help="only causal, or only unmasked (default: both)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating timings per config")
     parser.add_argument("--out", default=None, help="folder for hopper_tune.json")
     args = parser.parse_args()
     schedules = args.schedule or ["shift", "descending", "atomic"]
+    masks = (False, True) if args.causal is None else (args.causal == "yes",)
     started = time.time()
     log = lambda line: print(f"[{time.time() - started:6.1f}s] {line}", flush=True)
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     rows = []
-    for shape in SHAPES:
-        for causal in (False, True):
+    for shape in args.shape or SHAPES:
+        for causal in masks:
             configs = {"default": backward_config(shape[-1], causal)}
             configs.update({text: parse_config(text, shape[-1], causal) for text in args.config})
             q, k, v, do = inputs(*shape)
             out, lse = _forward(q, k, v, causal)
             for schedule in schedules:
-                row = {"shape": shape, "causal": causal, "schedule": schedule}
-                for name, cfg in configs.items():
-                    row[name] = bench_tflops(
-                        lambda: _hopper(q, k, v, do, out, lse, causal, schedule, cfg), shape,
-                        causal)
-                rows.append(row)
-                log(f"{shape} causal={causal} {schedule:10s} " + "  ".join(
-                    f"{name}={row[name]:.0f}" for name in configs))
+                for round_ in range(args.rounds):
+                    row = {"shape": shape, "causal": causal, "schedule": schedule,
+                           "round": round_}
+                    for name, cfg in configs.items():
+                        row[name] = bench_tflops(
+                            lambda: _hopper(q, k, v, do, out, lse, causal, schedule, cfg), shape,
+                            causal)
+                    rows.append(row)
+                    log(f"{shape} causal={causal} {schedule:10s} " + "  ".join(
+                        f"{name}={row[name]:.0f}" for name in configs))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         with open(f"{args.out}/hopper_tune.json", "w") as f:
