@@ -32,16 +32,19 @@ FORWARD_MIN_SEQ = {64: 4096, 128: 2048}
 def auto_on_hopper(head_dim: int, causal: bool, seq_k: int) -> str:
     """What ``schedule="auto"`` resolves to where the Hopper path takes the inputs.
 
-    ``shift`` was the fastest deterministic schedule at every d128 point of the H100 tables
-    (docs/benchmarks.md; d128 4k full 441 against the portable ``recompute``'s 402 TFLOP/s,
-    causal 401 against 351) and of the H200 head-dim-64 grid within 4%, except unmasked head dim
-    64: from 16k keys ``ascending`` ran 10% faster (H200, ``bench/hopper_check.py --grid d64``,
-    bench/results/2026-11-23-h200-7e2a517/: 398 against 363 TFLOP/s at 16k; ``bench/packed.py``
-    full 16k: 13.95 against 15.39 ms), and below 8k keys the portable ``recompute`` (which
-    ``recompute`` names here: it is not a Hopper schedule) ran 1-5% faster in every run (4k: H100
-    362 against 345 and 367 against 362, H200 359 against 353, GQA 4:1 362 against 350); at 8k
-    the two tied (H200 358 against 360). (Under a window ``shift`` falls back to ``ascending`` or
-    ``descending`` anyway.)
+    ``shift`` is the fastest deterministic schedule at the d128 points of the H100 tables, or
+    within 2.5% of ``descending`` at 16k unmasked (docs/benchmarks.md, 8b369d8: 4k full 472
+    against the portable ``recompute``'s 400 TFLOP/s, causal 420 against 356, 16k full 516
+    against ``descending``'s 522; 9f91adb: 500 against 512), and of the H200 head-dim-64 grid
+    within 4%, except unmasked head dim 64. There, from 16k keys ``ascending`` ran 10% faster
+    (H200, ``bench/hopper_check.py --grid d64``, bench/results/2026-11-23-h200-7e2a517/: 398
+    against 363 TFLOP/s at 16k; ``bench/packed.py`` full 16k: 13.95 against 15.39 ms), and
+    below 8k keys the portable ``recompute`` (which ``recompute`` names here: it is not a
+    Hopper schedule) ran 1-5% faster in every run before the named hand-off (4k: H100 362
+    against 345 and 367 against 362, H200 359 against 353, GQA 4:1 362 against 350; at 8k the
+    two tied, H200 358 against 360); in the one grid after it (8b369d8) ``shift`` led by 1.5%
+    (364 against 358), which does not yet overturn the rule. (Under a window ``shift`` falls
+    back to ``ascending`` or ``descending`` anyway.)
     """
     if head_dim == 64 and not causal:
         if seq_k >= 16384:

@@ -24,15 +24,15 @@ def _take_partial(dq_ready, it, NAMED_HANDOFF: gl.constexpr, HANDOFF_THREADS: gl
 
 
 @gluon.jit
-def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, ERR, CU_Q, CU_K,
-                  HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left, win_right,
-                  items_per_head, total_items, max_spin,
-                  GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
-                  NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
-                  ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
-                  VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
-                  PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
-                  HANDOFF_THREADS: gl.constexpr):
+def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, ERR,
+                        CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
+                        win_right, items_per_head, total_items, max_spin,
+                        GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
+                        NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
+                        ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
+                        VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
+                        PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
+                        HANDOFF_THREADS: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
     TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
     with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release a
@@ -123,6 +123,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                             if ORDERED:
                                 if DQ_TMA:
                                     tma_adds_performed()
-                                partition_barrier()  # every lane's adds are issued before the release
+                                # every lane's adds are issued before the release
+                                partition_barrier()
                                 gl.atomic_add(ticket, 1, sem="release")
                             it += 1
