@@ -190,6 +190,8 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
         dq_bufs.index(d).store(dq * sm_scale)
         fence_async_shared()  # the writer's TMA reads the partial (the async proxy)
         if NAMED_HANDOFF:
+            # A named barrier has no phases: this arrive may not run ahead of the writer's wait
+            # for the buffer's previous partial, which the dq_empty wait above guarantees.
             named_barrier_arrive(LAST_NAMED_BARRIER - d, 32 * num_warps + 32, num_warps)
         else:
             mbarrier.arrive(dq_ready.index(d), count=1)

@@ -18,8 +18,9 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
-#: Hardware barriers 0 to 4 serve Triton's warp specialization (the default partition, the start
-#: barrier, one per worker partition); the kernels' own named barriers count down from the last.
+#: The low-numbered hardware barriers serve Triton's warp specialization (the default partition,
+#: the start barrier, one per worker partition; 0 and 1 in these kernels' PTX), so the kernels'
+#: own named barriers count down from the last of the sixteen.
 LAST_NAMED_BARRIER = gl.constexpr(15)
 
 
