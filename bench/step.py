@@ -3,7 +3,8 @@
     python bench/step.py [--quick] [--out DIR] [--seqs 2048,4096,8192] [--layers 12] ...
 
 A GPT-style model (12 layers, d_model 1024, 16 heads, causal SDPA, bf16, B*N = 16k tokens) is
-compiled with torch.compile and trained with AdamW in three modes:
+compiled with torch.compile and trained with AdamW in three modes (``--no-nan-fill``: determinism
+on without PyTorch's NaN fill of every new tensor, ``torch.utils.deterministic``):
 
 - dash: ``torch.use_deterministic_algorithms(True)``; the Inductor pass puts dash.attention in place
   of SDPA (the number of rewritten calls is printed);
@@ -157,6 +158,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing (compiles)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step per variant: its costliest kernels")
+    parser.add_argument("--no-nan-fill", action="store_true",
+                        help="torch.utils.deterministic.fill_uninitialized_memory = False: "
+                             "determinism on without PyTorch filling every new tensor with NaN")
     args = parser.parse_args(argv)
     if args.quick:
         args.seqs, args.layers, args.steps, args.warmup = "2048", 2, 3, 2
@@ -171,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     from run import environment
 
     dash_inductor.enable()
+    torch.utils.deterministic.fill_uninitialized_memory = not args.no_nan_fill
     env = environment()
     seqs = [int(x) for x in args.seqs.split(",")]
     print(f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}: {args.layers} layers, "
@@ -243,7 +248,9 @@ def render_markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[di
                     memory: list[dict[str, Any]]) -> str:
     lines = [f"Measured on {env['gpu']}, torch {env['torch']}, Triton {env['triton']}, CUDA "
              f"{env['cuda']}, {env['date']}: {args.layers} layers, d_model {args.d_model}, "
-             f"{args.heads} heads, {args.tokens} tokens per step, bf16, AdamW.", "",
+             f"{args.heads} heads, {args.tokens} tokens per step, bf16, AdamW"
+             + (", determinism without the NaN fill of new tensors." if args.no_nan_fill else "."),
+             "",
              "| N | " + " | ".join(VARIANTS) + " | dash / off | SDPA on / off |",
              "|---|" + "---|" * (len(VARIANTS) + 2)]
     by = {(r["seq"], r["variant"]): r for r in rows}

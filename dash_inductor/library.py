@@ -34,7 +34,7 @@ from torch import Tensor
 from . import config, reference
 from .ops import catalog
 from .ops.plan import Plan
-from .shapes import Canonical, canonicalize, empty_like_layout
+from .shapes import Canonical, canonicalize, empty_like_layout, unfilled
 from .window import NO_WINDOW, check_window
 
 log = logging.getLogger("dash_inductor")
@@ -139,6 +139,7 @@ def _attention_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, enable
 
 
 @attention_op.register_kernel(("cpu", "cuda"))
+@unfilled()
 def _attention_kernel(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
                       window_size=NO_WINDOW, schedule="auto", max_spin=_MAX_SPIN,
                       cpu_backend="reference", kernel_path="auto"):
@@ -185,6 +186,7 @@ def _attention_backward_fake(grad_out, q, k, v, out, logsumexp, attn_mask, is_ca
 
 
 @attention_backward_op.register_kernel(("cpu", "cuda"))
+@unfilled()
 def _attention_backward_kernel(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
                                enable_gqa, window_size=NO_WINDOW, schedule="auto",
                                max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):

@@ -7,8 +7,9 @@ strides as the real kernels.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -160,3 +161,25 @@ def empty_like_layout(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype |
     if like.stride(1) < like.stride(2):
         return torch.empty((b, l, h, d), dtype=dtype, device=like.device).transpose(1, 2)
     return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+@contextlib.contextmanager
+def unfilled() -> Iterator[None]:
+    """Allocate without PyTorch's deterministic-mode fill, for buffers the kernels write in full.
+
+    Under ``torch.use_deterministic_algorithms(True)`` every ``torch.empty`` also launches a kernel
+    that fills the new memory with NaN (``torch.utils.deterministic.fill_uninitialized_memory``),
+    so that a read of memory never written is reproducible. The dash kernels write every element
+    of their outputs and buffers, so the fill is pure cost: eight launches and their host time a
+    forward and backward. The flag is process-wide: allocations of other threads during the
+    call are not filled either.
+    """
+    deterministic = torch.utils.deterministic
+    if not (deterministic.fill_uninitialized_memory and torch.are_deterministic_algorithms_enabled()):
+        yield
+        return
+    deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        deterministic.fill_uninitialized_memory = True

@@ -158,3 +158,49 @@ def test_reference_is_bitwise_reproducible():
         results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+@pytest.fixture
+def deterministic():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+def test_unfilled_skips_the_deterministic_fill_inside_only(deterministic):
+    """``shapes.unfilled`` turns PyTorch's NaN fill of new memory off for the op's own buffers and
+    back on after, also when the body raises; with determinism off it touches nothing."""
+    from dash_inductor.shapes import unfilled
+
+    fill = torch.utils.deterministic
+    assert torch.empty(64).isnan().all()
+    with unfilled():
+        assert not fill.fill_uninitialized_memory
+    assert fill.fill_uninitialized_memory
+    with pytest.raises(KeyError), unfilled():
+        raise KeyError("the body fails")
+    assert fill.fill_uninitialized_memory and torch.empty(64).isnan().all()
+    torch.use_deterministic_algorithms(False)
+    with unfilled():
+        assert fill.fill_uninitialized_memory
+
+
+@pytest.mark.parametrize("cpu_backend", ["reference", "triton"])
+def test_outputs_under_deterministic_algorithms_match_sdpa(deterministic, cpu_backend):
+    """With determinism on (the op's buffers unfilled) out and every gradient still come from the
+    kernels, the interpreted Triton ones included: finite, and SDPA's float64 result."""
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float64 if cpu_backend == "reference" else torch.float32
+    q = torch.randn(2, 4, 70, 16, generator=gen, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, 2, 90, 16, generator=gen, dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    grad = torch.randn(2, 4, 70, 16, generator=gen, dtype=dtype)
+    with dash_inductor.config.patch(cpu_backend=cpu_backend):
+        out = dash_inductor.attention(q, k, v, is_causal=True, enable_gqa=True)
+    ours = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    expected, leaves = sdpa_math(q, k, v, is_causal=True, enable_gqa=True)
+    theirs = (expected, *torch.autograd.grad(expected, leaves[:3], grad.double()))
+    for a, b in zip(ours, theirs):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b, **tolerance(dtype))

@@ -80,14 +80,38 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMAShared
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
+#: Validated TMA descriptors by (dtype, shape, strides, box), with no tensor: see _tma_descriptor.
+_TEMPLATES: dict[tuple, TensorDescriptor] = {}
+
+
+def _tma_descriptor(t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...],
+                    block: tuple[int, ...]) -> TensorDescriptor:
+    """A TMA descriptor over ``t``, checked by Triton once per (dtype, shape, strides, box) and then
+    only pointed at each launch's tensor: the checks, pure Python, took more host time than the
+    launch itself. All of them but the base's 16-byte alignment depend on the key alone; the
+    callers hand over aligned tensors (:func:`tma_readable`, fresh allocations)."""
+    key = (t.dtype, shape, strides, block)
+    template = _TEMPLATES.get(key)
+    if template is None:
+        if len(_TEMPLATES) >= 1024:
+            _TEMPLATES.clear()
+        template = TensorDescriptor(t, list(shape), list(strides), list(block),
+                                    _shared_layout(block, t.dtype))
+        template.base = None  # keeps no tensor alive
+        _TEMPLATES[key] = template
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(template.__dict__)
+    desc.base = t
+    return desc
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A rank-4 TMA descriptor over (B, H, N, D) ``t`` in its own strides, for [1, 1, rows, D]
     boxes (a dim of length 1 gets a stride TMA accepts: it is never stepped along)."""
-    strides = [stride if n > 1 else 16 // t.element_size()
-               for stride, n in zip(t.stride(), t.shape)]
-    strides[3] = 1
-    block = (1, 1, rows, t.shape[3])
-    return TensorDescriptor(t, list(t.shape), strides, list(block), _shared_layout(block, t.dtype))
+    shape = tuple(t.shape)
+    strides = tuple(stride if n > 1 else 16 // t.element_size()
+                    for stride, n in zip(t.stride()[:3], shape[:3])) + (1,)
+    return _tma_descriptor(t, shape, strides, (1, 1, rows, shape[3]))
 
 
 def _lse2(lse: torch.Tensor, heads: int, seq: int) -> torch.Tensor:
@@ -132,13 +156,12 @@ def _accumulator_descriptor(dq_acc: torch.Tensor | None, rows: int, head_d: int,
     computed apart (``dq_acc`` None)."""
     acc = (dq_acc if dq_acc is not None
            else torch.empty((rows, head_d), device=device, dtype=torch.float32)).view(-1, head_d)
-    return TensorDescriptor(acc, list(acc.shape), [head_d, 1], [rows, head_d],
-                            _shared_layout((rows, head_d), torch.float32))
+    return _tma_descriptor(acc, tuple(acc.shape), (head_d, 1), (rows, head_d))
 
 
 def _row_descriptor(row: torch.Tensor, block: int) -> TensorDescriptor:
     """A rank-1 TMA descriptor over one plane of the row stats, for ``block``-element boxes."""
-    return TensorDescriptor(row, list(row.shape), [1], [block], _shared_layout((block,), row.dtype))
+    return _tma_descriptor(row, tuple(row.shape), (1,), (block,))
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -179,6 +202,18 @@ def _fit(schedule: catalog.Schedule, causal: bool, window: tuple[int, int], n_kv
     return (fitted, reason) if reason else fit_schedule(schedule, causal, n_kv, capacity, shape)
 
 
+@functools.lru_cache(maxsize=256)
+def _geometry(schedule: catalog.Schedule, cfg: HopperBackwardConfig, batch: int, hkv: int,
+              n_kv: int, is_causal: bool, group: int, even_s: bool, windowed: bool, varlen: bool,
+              sms: int) -> tuple[int, int, tuple[int], dict[str, object]]:
+    """(items per head, items, grid, constexprs) of a backward launch, which shapes and options
+    alone decide (cached, as everything a launch recomputes is host time the step waits for)."""
+    per_head = schedule.items_per_head(n_kv, is_causal)
+    total_items = batch * hkv * per_head
+    return per_head, total_items, (min(total_items, sms),), backward_constexprs(
+        schedule.name, is_causal, group, even_s, cfg, windowed, varlen)
+
+
 def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor,
             dq_acc: torch.Tensor | None, tickets: torch.Tensor, error_flag: torch.Tensor,
             packed: tuple | None, sizes: tuple[int, ...], schedule: catalog.Schedule,
@@ -191,9 +226,9 @@ def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor,
     q, k, v, grad_out, dk, dv = views
     batch, seq_q, seq_k, n_q, n_kv, row_stride = sizes
     hq, hkv = q.shape[1], k.shape[1]
-    per_head = schedule.items_per_head(n_kv, is_causal)
-    total_items = batch * hkv * per_head
-    grid = (min(total_items, _sm_count(q.device.index or 0)),)
+    per_head, total_items, grid, constexprs = _geometry(
+        schedule, cfg, batch, hkv, n_kv, is_causal, hq // hkv, even_s, window != (-1, -1),
+        packed is not None, _sm_count(q.device.index or 0))
     cu_q, cu_k, max_q, max_k = packed or (tickets, tickets, 0, 0)
     dk_batch, dv_batch = (0, 0) if packed else (dk.stride(0), dv.stride(0))
     backward_kernel[grid](
@@ -204,10 +239,20 @@ def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor,
         stats if dq_acc is None else dq_acc, tickets, error_flag, stats_start, cu_q, cu_k,
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2),
         hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, *window, per_head,
-        total_items, scale * LOG2E, scale, max_spin,
-        **backward_constexprs(schedule.name, is_causal, hq // hkv, even_s, cfg,
-                              window != (-1, -1), packed is not None))
+        total_items, scale * LOG2E, scale, max_spin, **constexprs)
     return grid
+
+
+@functools.lru_cache(maxsize=256)
+def _dense_choice(q_shape: torch.Size, k_shape: torch.Size, requested: catalog.Schedule,
+                  is_causal: bool, window: tuple[int, int], cfg: HopperBackwardConfig,
+                  sms: int) -> tuple[catalog.Schedule, str | None, int, int, str]:
+    """(the schedule that runs, why it is not the one asked, Q tiles, KV tiles, the shape as
+    errors name it) of a dense backward, which shapes and options alone decide (cached)."""
+    n_q, n_kv = triton.cdiv(q_shape[2], cfg.block_n), triton.cdiv(k_shape[2], cfg.block_n)
+    shape = f"q {tuple(q_shape)}, k {tuple(k_shape)}, causal={is_causal}"
+    schedule, fallback = _fit(requested, is_causal, window, n_kv, sms, shape)
+    return schedule, fallback, n_q, n_kv, shape
 
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -226,11 +271,9 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     batch, hq, seq_q, head_d = q.shape
     seq_k = k.shape[2]
     cfg = cfg or backward_config(head_d, is_causal)
-    n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
-    shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
     requested = schedule
-    schedule, fallback = _fit(schedule, is_causal, window, n_kv, _sm_count(q.device.index or 0),
-                              shape)
+    schedule, fallback, n_q, n_kv, shape = _dense_choice(
+        q.shape, k.shape, requested, is_causal, window, cfg, _sm_count(q.device.index or 0))
     # A misaligned view, or the stride-0 gradient of out.sum(): same values, new layout.
     q, k, v, grad_out = (tma_readable(t) for t in (q, k, v, grad_out))
     rows = n_q * cfg.block_n

@@ -194,3 +194,52 @@ def test_window_follows_the_flash_rule(window, causal, schedule):
                               scale=scale, schedule=schedule, kernel=KERNEL, window=window)
     assert plan.kernel == KERNEL
     assert_flash_rule((out, dq, dk, dv), dense(q.dtype), dense(torch.float32), what=schedule)
+
+
+def _poison_the_allocator():
+    """Leave NaN in the blocks the caching allocator hands out next (large and small pools)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    blocks = [torch.full((n,), float("nan"), device="cuda")
+              for n in (1 << 24, *[1 << 17] * 32, *[1 << 12] * 256)]
+    del blocks
+
+
+@pytest.mark.parametrize("schedule", DETERMINISTIC)
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (False, (96, 40))],
+                         ids=str)
+def test_unfilled_buffers_are_written_in_full(causal, window, schedule):
+    """The op allocates its outputs and buffers without PyTorch's deterministic NaN fill
+    (``shapes.unfilled``), so a kernel must write every element: on NaN-poisoned memory, with
+    L != S, keys that no query sees, and a window, the public op gives the launchers' bits on
+    buffers that determinism filled with NaN."""
+    if KERNEL == "hopper" and window != (-1, -1):
+        pytest.skip("the Hopper forward takes no window")
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(1, 4, 200, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, 2, 700, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    scale = q.shape[-1] ** -0.5
+    torch.use_deterministic_algorithms(True)
+    try:
+        out = torch.empty_like(do)
+        lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+        if KERNEL == "hopper":
+            hopper_forward(q, k, v, out, lse, is_causal=causal, scale=scale)
+        else:
+            attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale,
+                              kernel=KERNEL, window=window)
+        filled = [out, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+        attention_backward(do, q, k, v, out, lse, None, *filled[1:], is_causal=causal,
+                           scale=scale, schedule=schedule, kernel=KERNEL, window=window)
+        _poison_the_allocator()
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with dash_inductor.config.patch(kernel=KERNEL, schedule=schedule):
+            got = dash_inductor.attention(*leaves, is_causal=causal, enable_gqa=True,
+                                          window_size=window)
+        got.backward(do)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (got, *(t.grad for t in leaves)), filled):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
