@@ -1,5 +1,7 @@
 """The kernel-path rule of ops/dispatch.py, with the Hopper support check stubbed (no GPU here)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -161,3 +163,28 @@ def test_auto_on_hopper_follows_the_measured_rule(hopper_takes_it, dim, seq, cau
     path, _, schedule = choose_path("portable", catalog.AUTO, portable, q, k, v, None, causal,
                                     (-1, -1))
     assert (path, schedule.name) == (dispatch.PORTABLE, "recompute")
+
+
+def test_hopper_grid_keeps_each_heads_equal_items_in_one_round():
+    """Ordered schedules whose items of a head are equally long run on a multiple of a head's
+    items (``config.ordered_programs``); unequal ones (causal unpaired, windows, packed) and the
+    unordered ones keep every SM (132 here, as an H100)."""
+    from dash_inductor.ops import catalog
+    from dash_inductor.ops.hopper.config import backward_config
+    from dash_inductor.ops.hopper.launch import _geometry
+
+    def programs(name, causal, n_kv=32, windowed=False, varlen=False, aligned=True):
+        cfg = dataclasses.replace(backward_config(128, causal), aligned_grid=aligned)
+        per_head, items, grid, _ = _geometry(catalog.get(name), cfg, 4, 16, n_kv, causal, 1,
+                                             True, windowed, varlen, 132)
+        assert items == 4 * 16 * per_head
+        return grid[0]
+
+    assert programs("descending", False) == programs("shift", False) == 128  # 4 heads of 32
+    assert programs("shift", True) == 128  # 8 heads of 16 pairs
+    assert programs("ascending", False, n_kv=24) == 120
+    assert programs("descending", True) == programs("descending", False, windowed=True) == 132
+    assert programs("shift", False, varlen=True) == programs("atomic", False) == 132
+    assert programs("recompute", False) == programs("descending", False, aligned=False) == 132
+    assert programs("descending", False, n_kv=200) == 132  # no head fits: every SM
+    assert programs("shift", False, n_kv=1) == 64  # fewer items than SMs

@@ -67,7 +67,10 @@ class HopperBackwardConfig:
     hand each partial to the writer on a named barrier, every thread arriving on its own (an
     mbarrier arrive costs them two barriers over both warpgroups), and the writer frees the
     Q/dO stages, else the partial goes through an mbarrier and the stages are freed by the
-    compute warps (by the writer too when dK is in flight). Three Q/dO stages and one dQ buffer
+    compute warps (by the writer too when dK is in flight); ``aligned_grid``: an ordered
+    schedule with equally long items runs on a whole number of heads' worth of programs
+    (:func:`ordered_programs`).
+    Three Q/dO stages and one dQ buffer
     measured faster than two and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an
     H100; with the TMA writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower
     causal in one run (411 vs 424; 16k causal 462 vs 465), so one config serves both. The TMA
@@ -86,6 +89,7 @@ class HopperBackwardConfig:
     load_regs: int = 24
     writer_regs: int = 48
     num_warps: int = 8
+    aligned_grid: bool = True
 
 
 def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
@@ -132,6 +136,23 @@ def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig) -> di
     return dict(GROUP=group, CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 STAGES=cfg.stages, SOFTMAX_REGS=cfg.softmax_regs,
                 LOAD_REGS=cfg.load_regs, num_warps=cfg.num_warps)
+
+
+def ordered_programs(items_per_head: int, sms: int) -> int:
+    """How many persistent programs run an ordered schedule whose items of a head are equally long:
+    the largest multiple of ``items_per_head`` that the SMs hold (all of them where no head fits).
+
+    Program p runs items p, p + P, ... of a heads-major order, so with P a multiple of a head's
+    items every head's items run in the same round, side by side. With P the SM count, some heads
+    straddle two rounds, and under ``descending`` (or ``ascending``) the items of the first round
+    wait for dQ turns that come only in the next. Measured on an H100 (``bench/hopper_tune.py
+    --config aligned_grid=0``, bf16, ``descending`` unmasked): 4k d128 465-483 TFLOP/s against
+    427-430, GQA 4:1 489-513 against 465-469, d64 368-374 against 310-311, 16k tied; ``shift``
+    unchanged everywhere (it never waits long). Causal items of unequal length (unpaired) ran
+    slower in rounds (descending 4k 252 against 321), so they keep every SM. The bits do not
+    change: the order of the dQ adds is the schedule's, whichever program runs an item.
+    """
+    return sms // items_per_head * items_per_head if items_per_head <= sms else sms
 
 
 def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,

@@ -29,7 +29,7 @@ from ..preprocess import compute_delta, prepare, zeroed_tickets
 from ..tiles import LOG2E
 from .backward import backward_kernel
 from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
-                     backward_constexprs, forward_constexprs)
+                     backward_constexprs, forward_constexprs, ordered_programs)
 from .forward import forward_kernel
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -210,7 +210,12 @@ def _geometry(schedule: catalog.Schedule, cfg: HopperBackwardConfig, batch: int,
     alone decide (cached, as everything a launch recomputes is host time the step waits for)."""
     per_head = schedule.items_per_head(n_kv, is_causal)
     total_items = batch * hkv * per_head
-    return per_head, total_items, (min(total_items, sms),), backward_constexprs(
+    # A head's items are equally long unless a window, the packing or an unpaired causal mask
+    # gives them different numbers of Q tiles.
+    equal_items = not (windowed or varlen) and (not is_causal or schedule.paired_when_causal)
+    aligned = cfg.aligned_grid and schedule.ordered and equal_items
+    programs = ordered_programs(per_head, sms) if aligned else sms
+    return per_head, total_items, (min(total_items, programs),), backward_constexprs(
         schedule.name, is_causal, group, even_s, cfg, windowed, varlen)
 
 

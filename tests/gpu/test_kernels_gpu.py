@@ -243,3 +243,34 @@ def test_unfilled_buffers_are_written_in_full(causal, window, schedule):
         torch.use_deterministic_algorithms(False)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (got, *(t.grad for t in leaves)), filled):
         assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("schedule", ORDERED)
+def test_bits_do_not_depend_on_the_number_of_programs(schedule):
+    """The Hopper launcher runs ordered schedules with equally long items on a whole number of
+    heads' worth of programs (``config.ordered_programs``); on all SMs instead, some heads
+    straddle two rounds of programs, and the bits are the same all the same (GQA, causal and
+    full)."""
+    if KERNEL != "hopper":
+        pytest.skip("the grid choice is the Hopper launcher's")
+    import dataclasses
+
+    from dash_inductor.ops.hopper.config import backward_config
+    from dash_inductor.ops.hopper.launch import attention_backward as hopper_backward
+
+    q, k, v, do = _inputs(4, 16, 4, 4096, 128, seed=9)
+    for causal in (False, True):
+        out, lse = torch.empty_like(do), torch.empty(q.shape[:3], device="cuda")
+        hopper_forward(q, k, v, out, lse, is_causal=causal, scale=128 ** -0.5)
+        grads = []
+        for aligned in (True, False):
+            cfg = dataclasses.replace(backward_config(128, causal), aligned_grid=aligned)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            plan = hopper_backward(do, q, k, v, out, lse, dq, dk, dv, is_causal=causal,
+                                   scale=128 ** -0.5, schedule=catalog.get(schedule),
+                                   max_spin=1 << 26, cfg=cfg)
+            grads.append((plan.grid, dq, dk, dv))
+        (grid_a, *a), (grid_b, *b) = grads
+        if not causal or schedule == "shift":  # equally long items: 128 programs, not 132
+            assert grid_a != grid_b
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
