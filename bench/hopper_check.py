@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +185,7 @@ def main() -> int:
         ok &= check_bitwise([(2, 8, 8, 1024, 128), (1, 16, 4, 2048, 64)], args.repeats, log)
     rows = time_backward(timing, log)
     if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         with open(f"{args.out}/hopper_check.json", "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": triton.__version__, "ok": ok, "timing": rows}, f, indent=1)

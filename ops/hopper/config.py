@@ -32,26 +32,31 @@ FORWARD_MIN_SEQ = {64: 4096, 128: 2048}
 def auto_on_hopper(head_dim: int, causal: bool, seq_k: int) -> str:
     """What ``schedule="auto"`` resolves to where the Hopper path takes the inputs.
 
-    ``shift`` is the fastest deterministic schedule at the d128 points of the H100 tables, or
-    within 2.5% of ``descending`` at 16k unmasked (docs/benchmarks.md, 8b369d8: 4k full 472
-    against the portable ``recompute``'s 400 TFLOP/s, causal 420 against 356, 16k full 516
-    against ``descending``'s 522; 9f91adb: 500 against 512), and of the H200 head-dim-64 grid
-    within 4%, except unmasked head dim 64. There, from 16k keys ``ascending`` ran 10% faster
-    (H200, ``bench/hopper_check.py --grid d64``, bench/results/2026-11-23-h200-7e2a517/: 398
-    against 363 TFLOP/s at 16k; ``bench/packed.py`` full 16k: 13.95 against 15.39 ms), and
-    below 8k keys the portable ``recompute`` (which ``recompute`` names here: it is not a
-    Hopper schedule) ran 1-5% faster in every run before the named hand-off (4k: H100 362
-    against 345 and 367 against 362, H200 359 against 353, GQA 4:1 362 against 350; at 8k the
-    two tied, H200 358 against 360); in the one grid after it (8b369d8) ``shift`` led by 1.5%
-    (364 against 358), which does not yet overturn the rule. (Under a window ``shift`` falls
+    Causal: ``shift``, the fastest deterministic schedule at every causal point of the H100 and
+    H200 tables (5b4e495: 4k 422 TFLOP/s against the portable ``recompute``'s 356, GQA 4:1 380
+    against 345, 16k 481 against 397; head dim 64 4k 338 against 311).
+
+    Unmasked head dim 128: ``descending``. Since the grid keeps each head's items in one round
+    (``ordered_programs``) it leads ``shift`` by 0.2-3% in each of four timings per shape (H100,
+    5b4e495's grid and ``bench/hopper_tune.py``: 4k 480 against 466 and 465-483 against 470,
+    GQA 4:1 499 against 486 and 489-513 against 475-503, 16k 507 against 506 and 485-506
+    against 458-507); ``ascending`` ran within 1% of it.
+
+    Unmasked head dim 64: from 16k keys ``ascending`` ran 10% faster than ``shift`` (H200,
+    ``bench/hopper_check.py --grid d64``, bench/results/2026-11-23-h200-7e2a517/: 398 against
+    363), and below 8k keys the portable ``recompute`` (which ``recompute`` names here: it is
+    not a Hopper schedule) led in every run but one (5b4e495's H100 grid, 4k: 384 against
+    ``descending``'s 371 and ``shift``'s 364; 8b369d8: ``shift`` 364 against 358); between the
+    two, where they tied before the aligned grid, ``shift``. (Under a window ``shift`` falls
     back to ``ascending`` or ``descending`` anyway.)
     """
-    if head_dim == 64 and not causal:
-        if seq_k >= 16384:
-            return "ascending"
-        if seq_k < 8192:
-            return "recompute"
-    return "shift"
+    if causal:
+        return "shift"
+    if head_dim != 64:
+        return "descending"
+    if seq_k >= 16384:
+        return "ascending"
+    return "recompute" if seq_k < 8192 else "shift"
 
 
 @dataclass(frozen=True)
