@@ -140,16 +140,15 @@ def test_packed_auto_stays_portable_and_named_ordered_schedules_take_hopper(hopp
 @pytest.mark.parametrize("dim, seq, causal, window, expected", [
     (128, 16384, False, (-1, -1), "descending"), (128, 4096, False, (-1, -1), "descending"),
     (128, 4096, True, (-1, -1), "shift"), (128, 4096, False, (300, 200), "descending"),
-    (64, 8192, False, (-1, -1), "shift"), (64, 4096, True, (-1, -1), "shift"),
-    (64, 16384, True, (-1, -1), "shift"), (64, 8192, False, (300, 200), "ascending"),
-    (64, 16384, False, (-1, -1), "ascending"), (64, 20000, False, (-1, -1), "ascending"),
+    (64, 8192, False, (-1, -1), "descending"), (64, 4096, True, (-1, -1), "shift"),
+    (64, 16384, True, (-1, -1), "shift"), (64, 8192, False, (300, 200), "descending"),
+    (64, 16384, False, (-1, -1), "descending"), (64, 20000, False, (-1, -1), "descending"),
     (64, 4096, False, (-1, -1), "recompute"), (64, 8191, False, (300, 200), "recompute")])
 def test_auto_on_hopper_follows_the_measured_rule(hopper_takes_it, dim, seq, causal, window,
                                                   expected):
-    """The measured rule (H100 and H200 tables): ``shift`` causal, ``descending`` on unmasked
-    head dim 128, and on unmasked head dim 64 ``ascending`` from 16k keys, the portable
-    ``recompute`` below 8k and ``shift`` between; a window runs shift's windowed fallback; off
-    the Hopper path ``auto`` stays the portable rule's."""
+    """The measured rule (H100 tables): ``shift`` causal, ``descending`` unmasked, but the
+    portable ``recompute`` on unmasked head dim 64 below 8k keys; a window keeps the schedule
+    (``descending`` is window-aware); off the Hopper path ``auto`` stays the portable rule's."""
     from dash_inductor.ops.backward import choose_path, window_fallback
 
     q, k, v = (torch.empty(1, 2, seq, dim, device="meta") for _ in range(3))

@@ -36,27 +36,19 @@ def auto_on_hopper(head_dim: int, causal: bool, seq_k: int) -> str:
     H200 tables (5b4e495: 4k 422 TFLOP/s against the portable ``recompute``'s 356, GQA 4:1 380
     against 345, 16k 481 against 397; head dim 64 4k 338 against 311).
 
-    Unmasked head dim 128: ``descending``. Since the grid keeps each head's items in one round
-    (``ordered_programs``) it leads ``shift`` by 0.2-3% in each of four timings per shape (H100,
-    5b4e495's grid and ``bench/hopper_tune.py``: 4k 480 against 466 and 465-483 against 470,
-    GQA 4:1 499 against 486 and 489-513 against 475-503, 16k 507 against 506 and 485-506
-    against 458-507); ``ascending`` ran within 1% of it.
-
-    Unmasked head dim 64: from 16k keys ``ascending`` ran 10% faster than ``shift`` (H200,
-    ``bench/hopper_check.py --grid d64``, bench/results/2026-11-23-h200-7e2a517/: 398 against
-    363), and below 8k keys the portable ``recompute`` (which ``recompute`` names here: it is
-    not a Hopper schedule) led in every run but one (5b4e495's H100 grid, 4k: 384 against
-    ``descending``'s 371 and ``shift``'s 364; 8b369d8: ``shift`` 364 against 358); between the
-    two, where they tied before the aligned grid, ``shift``. (Under a window ``shift`` falls
-    back to ``ascending`` or ``descending`` anyway.)
+    Unmasked: ``descending``. Since the grid keeps each head's items in one round
+    (``ordered_programs``) it leads or ties every other schedule (H100; 5b4e495's grid and
+    ``bench/hopper_tune.py``, four timings per shape, and d28a122's head-dim-64 grid): head dim
+    128 4k 480 against ``shift``'s 466 and 465-483 against 470, GQA 4:1 499 against 486 and
+    489-513 against 475-503, 16k 507 against 506 and ``ascending``'s 511; head dim 64 8k 388
+    against 383 and 386, 16k 395 against 392 and 392. Below 8k keys at head dim 64 the portable
+    ``recompute`` (which ``recompute`` names here: it is not a Hopper schedule) stays: it led in
+    every run before the aligned grid (1-5%), and since then the two grids split (4k: 384
+    against ``descending``'s 371, then 358 against 368).
     """
     if causal:
         return "shift"
-    if head_dim != 64:
-        return "descending"
-    if seq_k >= 16384:
-        return "ascending"
-    return "recompute" if seq_k < 8192 else "shift"
+    return "recompute" if head_dim == 64 and seq_k < 8192 else "descending"
 
 
 @dataclass(frozen=True)
