@@ -197,3 +197,17 @@ def test_bad_arguments_are_named(bad, match):
     kwargs.update(bad)
     with pytest.raises(ValueError, match=match):
         S.simulate(kwargs.pop("schedule"), **kwargs)
+
+
+def test_model_backs_the_hopper_grid_rule():
+    """The Hopper launcher runs equally long items (unmasked, causal ``shift`` pairs) on a whole
+    number of heads' worth of programs and unequal ones on every SM (``ordered_programs``):
+    in the model too, unmasked ``descending`` finishes sooner on 128 programs than on 132 (a
+    head straddling two rounds waits), causal ``descending`` later, ``shift`` the same."""
+    def makespan(name, causal, programs):
+        return S.simulate(name, n_tiles=32, n_heads=64, programs=programs, causal=causal).makespan
+
+    assert makespan("descending", False, 128) < makespan("descending", False, 132)
+    assert makespan("descending", True, 128) > makespan("descending", True, 132)
+    for causal in (False, True):
+        assert makespan("shift", causal, 128) == makespan("shift", causal, 132)
