@@ -66,13 +66,12 @@ class HopperBackwardConfig:
     Q/dO stages, else the partial goes through an mbarrier and the stages are freed by the
     compute warps (by the writer too when dK is in flight); ``aligned_grid``: an ordered
     schedule with equally long items runs on a whole number of heads' worth of programs
-    (:func:`ordered_programs`).
-    Three Q/dO stages and one dQ buffer
-    measured faster than two and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an
-    H100; with the TMA writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower
-    causal in one run (411 vs 424; 16k causal 462 vs 465), so one config serves both. The TMA
-    writer measured faster at d128 (H100, 4k full shift 469 vs 441, descending 421 vs 364,
-    causal shift 415 vs 403) and within 2% at d64 (shift 344 vs 349, atomic 400 vs 363).
+    (:func:`ordered_programs`). Three Q/dO stages and one dQ buffer measured faster than two
+    and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an H100; with the TMA
+    writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower causal in one run
+    (411 vs 424; 16k causal 462 vs 465), so one config serves both. The TMA writer measured
+    faster at d128 (H100, 4k full shift 469 vs 441, descending 421 vs 364, causal shift 415 vs
+    403) and within 2% at d64 (shift 344 vs 349, atomic 400 vs 363).
     """
 
     block_m: int = 64

@@ -221,6 +221,7 @@ def test_unfilled_buffers_are_written_in_full(causal, window, schedule):
             for _ in range(2))
     do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
     scale = q.shape[-1] ** -0.5
+    deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         out = torch.empty_like(do)
@@ -240,7 +241,7 @@ def test_unfilled_buffers_are_written_in_full(causal, window, schedule):
                                           window_size=window)
         got.backward(do)
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(deterministic)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (got, *(t.grad for t in leaves)), filled):
         assert torch.isfinite(a).all() and torch.equal(a, b), name
 
