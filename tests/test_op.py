@@ -160,15 +160,7 @@ def test_reference_is_bitwise_reproducible():
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
-@pytest.fixture
-def deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
-
-
-def test_unfilled_skips_the_deterministic_fill_inside_only(deterministic):
+def test_unfilled_skips_the_deterministic_fill_inside_only(deterministic_algorithms):
     """``shapes.unfilled`` turns PyTorch's NaN fill of new memory off for the op's own buffers and
     back on after, also when the body raises; with determinism off it touches nothing."""
     from dash_inductor.shapes import unfilled
@@ -187,7 +179,7 @@ def test_unfilled_skips_the_deterministic_fill_inside_only(deterministic):
 
 
 @pytest.mark.parametrize("cpu_backend", ["reference", "triton"])
-def test_outputs_under_deterministic_algorithms_match_sdpa(deterministic, cpu_backend):
+def test_outputs_under_deterministic_algorithms_match_sdpa(deterministic_algorithms, cpu_backend):
     """With determinism on (the op's buffers unfilled) out and every gradient still come from the
     kernels, the interpreted Triton ones included: finite, and SDPA's float64 result."""
     gen = torch.Generator().manual_seed(11)

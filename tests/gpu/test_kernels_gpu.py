@@ -18,6 +18,7 @@ from dash_inductor.ops.catalog import DETERMINISTIC, ORDERED
 from dash_inductor.ops.hopper.config import HEAD_DIMS
 from dash_inductor.ops.hopper.launch import attention_forward as hopper_forward
 from dash_inductor.ops.launch import check_spin_flags
+from dash_inductor.pytest_plugin import deterministic_algorithms_mode
 from dash_inductor.testing import assert_flash_rule, sdpa_math_reference
 
 pytestmark = [pytest.mark.gpu,
@@ -221,9 +222,7 @@ def test_unfilled_buffers_are_written_in_full(causal, window, schedule):
             for _ in range(2))
     do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
     scale = q.shape[-1] ** -0.5
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms_mode(True):
         out = torch.empty_like(do)
         lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
         if KERNEL == "hopper":
@@ -240,8 +239,6 @@ def test_unfilled_buffers_are_written_in_full(causal, window, schedule):
             got = dash_inductor.attention(*leaves, is_causal=causal, enable_gqa=True,
                                           window_size=window)
         got.backward(do)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (got, *(t.grad for t in leaves)), filled):
         assert torch.isfinite(a).all() and torch.equal(a, b), name
 
