@@ -108,7 +108,7 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
           a_layout: gl.constexpr, dq_layout: gl.constexpr, CAUSAL: gl.constexpr,
           WINDOW: gl.constexpr, VARLEN: gl.constexpr, EVEN_S: gl.constexpr,
           COMPUTE_DQ: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
-          WRITER_FREES: gl.constexpr, num_warps: gl.constexpr):
+          WRITER_FREES: gl.constexpr, HANDOFF_THREADS: gl.constexpr, num_warps: gl.constexpr):
     """One step of a KV tile: S^T, P^T, dP^T, dS^T for the Q sub-tile of rows [row0, row0 +
     BLOCK_M) in stage ``it``; dV and dK accumulate (returned), the dQ partial goes to the writer."""
     STAGES: gl.constexpr = q_bufs.shape[0]
@@ -192,7 +192,7 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
         if NAMED_HANDOFF:
             # A named barrier has no phases: this arrive may not run ahead of the writer's wait
             # for the buffer's previous partial, which the dq_empty wait above guarantees.
-            named_barrier_arrive(LAST_NAMED_BARRIER - d, 32 * num_warps + 32, num_warps)
+            named_barrier_arrive(LAST_NAMED_BARRIER - d, HANDOFF_THREADS, num_warps)
         else:
             mbarrier.arrive(dq_ready.index(d), count=1)
     else:
@@ -218,7 +218,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                        NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, EVEN_S: gl.constexpr,
                        DK_IN_FLIGHT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                        NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       HANDOFF_THREADS: gl.constexpr, num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -268,7 +268,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                                            k_hi, S, win_left, win_right, qk_scale, sm_scale,
                                            s_layout, a_layout, dq_layout, CAUSAL, WINDOW, VARLEN,
                                            EVEN_S, COMPUTE_DQ, DK_IN_FLIGHT, NAMED_HANDOFF,
-                                           WRITER_FREES, num_warps)
+                                           WRITER_FREES, HANDOFF_THREADS, num_warps)
                             it += 1
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
                 if DK_IN_FLIGHT and it > first_it:
@@ -324,6 +324,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     # (this step's first wait retired it); with the named hand-off and dK retired in its step,
     # the step's own. Then a compute step ends with one arrive, or with none on a named barrier.
     WRITER_FREES: gl.constexpr = COMPUTE_DQ and (DK_IN_FLIGHT or NAMED_HANDOFF)
+    # The named hand-off's participants: the compute warps and the writer's one warp.
+    HANDOFF_THREADS: gl.constexpr = 32 * num_warps + 32
 
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
@@ -355,7 +357,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                               stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                               win_left, win_right, items_per_head, total_items, qk_scale, sm_scale,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
-                              WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, num_warps)),
+                              WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, HANDOFF_THREADS,
+                              num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
@@ -366,5 +369,5 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                                row_stride, win_left, win_right, items_per_head, total_items,
                                max_spin, GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ,
                                ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA, WRITER_FREES,
-                               DK_IN_FLIGHT, NAMED_HANDOFF, 32 * num_warps + 32)),
+                               DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])
