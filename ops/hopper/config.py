@@ -97,11 +97,16 @@ def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
     barrier except at head dim 128 with a causal mask: there the writer, which then frees the
     stages, delayed the loader at 16k (shift 431-483 TFLOP/s over seven timings against
     472-487), while head dim 64 gained 3-6% (4k shift 365 against 343-346) and 128 unmasked
-    about 1%.
+    about 1%. At head dim 128 the dQ writer gives up 8 registers (40: it adds by TMA and keeps
+    little) so that the compute warps get 248 instead of 240, which ends their spills without a
+    mask (56 bytes to none) and halves them causal: 4k ``descending`` 501-507 TFLOP/s against
+    473-476, causal ``shift`` 425-428 against 406-410, GQA 4:1 unmasked 505 against 496, GQA
+    causal and head dim 64 (no spills either way) tied.
     """
     causal_128 = head_dim == 128 and causal
     return HopperBackwardConfig(dk_in_flight=head_dim == 128 and not causal,
-                                named_handoff=not causal_128)
+                                named_handoff=not causal_128,
+                                writer_regs=40 if head_dim == 128 else 48)
 
 
 @dataclass(frozen=True)
