@@ -231,13 +231,13 @@ def choose_path(kernel: str, schedule: str, requested: Schedule, q: torch.Tensor
                 k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
                 window: tuple[int, int]) -> tuple[str, str | None, Schedule]:
     """(kernel path, why "auto" did not take the Hopper one, the schedule to run there):
-    ``schedule="auto"`` is the Hopper path's own auto schedule (``auto_on_hopper`` of the head dim
-    and the key length of (B, H, S, D) ``k``) where that path takes the inputs, else ``requested``
+    ``schedule="auto"`` is the Hopper path's own auto schedule (``auto_on_hopper``) where that
+    path takes the inputs, else ``requested``
     (the portable rule's), run where ``select_kernel`` says."""
     if schedule == catalog.AUTO and kernel != "portable":
         from .hopper.config import auto_on_hopper
 
-        on_hopper = auto_on_hopper(q.shape[-1], is_causal, k.shape[-2])
+        on_hopper = auto_on_hopper(is_causal)
         path, reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal, on_hopper,
                                      window)
         if path == HOPPER:

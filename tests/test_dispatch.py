@@ -143,11 +143,11 @@ def test_packed_auto_stays_portable_and_named_ordered_schedules_take_hopper(hopp
     (64, 8192, False, (-1, -1), "descending"), (64, 4096, True, (-1, -1), "shift"),
     (64, 16384, True, (-1, -1), "shift"), (64, 8192, False, (300, 200), "descending"),
     (64, 16384, False, (-1, -1), "descending"), (64, 20000, False, (-1, -1), "descending"),
-    (64, 4096, False, (-1, -1), "recompute"), (64, 8191, False, (300, 200), "recompute")])
+    (64, 4096, False, (-1, -1), "descending"), (64, 8191, False, (300, 200), "descending")])
 def test_auto_on_hopper_follows_the_measured_rule(hopper_takes_it, dim, seq, causal, window,
                                                   expected):
-    """The measured rule (H100 tables): ``shift`` causal, ``descending`` unmasked, but the
-    portable ``recompute`` on unmasked head dim 64 below 8k keys; a window keeps the schedule
+    """The measured rule (H100 tables): ``shift`` causal, ``descending`` unmasked, at every
+    head dim and length; a window keeps the schedule
     (``descending`` is window-aware); off the Hopper path ``auto`` stays the portable rule's."""
     from dash_inductor.ops.backward import choose_path, window_fallback
 
@@ -155,10 +155,7 @@ def test_auto_on_hopper_follows_the_measured_rule(hopper_takes_it, dim, seq, cau
     portable = catalog.get("recompute")
     path, reason, schedule = choose_path("auto", catalog.AUTO, portable, q, k, v, None, causal,
                                          window)
-    if expected == "recompute":
-        assert path == dispatch.PORTABLE and "recompute" in reason
-    else:
-        assert (path, reason) == (dispatch.HOPPER, None)
+    assert (path, reason) == (dispatch.HOPPER, None)
     assert window_fallback(schedule, causal, window)[0].name == expected
     path, _, schedule = choose_path("portable", catalog.AUTO, portable, q, k, v, None, causal,
                                     (-1, -1))

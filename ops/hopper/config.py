@@ -29,26 +29,24 @@ FASTER_ON_HOPPER = ORDERED
 FORWARD_MIN_SEQ = {64: 4096, 128: 2048}
 
 
-def auto_on_hopper(head_dim: int, causal: bool, seq_k: int) -> str:
-    """What ``schedule="auto"`` resolves to where the Hopper path takes the inputs.
+def auto_on_hopper(causal: bool) -> str:
+    """What ``schedule="auto"`` resolves to where the Hopper path takes the inputs: ``shift``
+    causal, ``descending`` unmasked, at every head dim and length.
 
     Causal: ``shift``, the fastest deterministic schedule at every causal point of the H100 and
-    H200 tables (5b4e495: 4k 422 TFLOP/s against the portable ``recompute``'s 356, GQA 4:1 380
-    against 345, 16k 481 against 397; head dim 64 4k 338 against 311).
+    H200 tables (77ddbaa: 4k 424 TFLOP/s against the portable ``recompute``'s 344, GQA 4:1 376
+    against 346, 16k 499 against 407; head dim 64 4k 340 against 313).
 
     Unmasked: ``descending``. Since the grid keeps each head's items in one round
-    (``ordered_programs``) it leads or ties every other schedule (H100; 5b4e495's grid and
-    ``bench/hopper_tune.py``, four timings per shape, and d28a122's head-dim-64 grid): head dim
-    128 4k 480 against ``shift``'s 466 and 465-483 against 470, GQA 4:1 499 against 486 and
-    489-513 against 475-503, 16k 507 against 506 and ``ascending``'s 511; head dim 64 8k 388
-    against 383 and 386, 16k 395 against 392 and 392. Below 8k keys at head dim 64 the portable
-    ``recompute`` (which ``recompute`` names here: it is not a Hopper schedule) stays: it led in
-    every run before the aligned grid (1-5%), and since then the two grids split (4k: 384
-    against ``descending``'s 371, then 358 against 368).
+    (``ordered_programs``) it leads or ties every other schedule (H100 grids of 5b4e495 and
+    77ddbaa, ``bench/hopper_tune.py``, and d28a122's head-dim-64 grid): head dim 128 4k 480 and
+    507 against ``shift``'s 466 and 483, 16k 507 and 527 against 506 and 525; GQA 4:1 499
+    against 486, then 485 against 504 (runs differ by a few per cent); head dim 64 8k 388
+    against 383, 16k 395 against 392. At head dim 64 and 4k keys the portable ``recompute``
+    led before the aligned grid (1-5%) and once since (384 against 371), and trailed twice (358
+    against 368, 359 against 374): one rule for every head dim.
     """
-    if causal:
-        return "shift"
-    return "recompute" if head_dim == 64 and seq_k < 8192 else "descending"
+    return "shift" if causal else "descending"
 
 
 @dataclass(frozen=True)
