@@ -43,12 +43,14 @@ from .primitives import (LAST_NAMED_BARRIER, named_barrier_arrive, partition_bar
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
-                    lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                    STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride,
-                    win_left, win_right, items_per_head, total_items,
-                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
-                    NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
+def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
+               delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, b, hkv, kv,
+               g_lo, g_hi, batch, stats_shift, q_start, k_start, q_lo, q_hi, tiles_q, tiles_kv,
+               HQ, row_stride, win_left, win_right, it, tile, GROUP: gl.constexpr,
+               CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, WINDOW: gl.constexpr,
+               VARLEN: gl.constexpr):
+    """K and V of KV tile ``kv``, then Q, dO and the row stats of every step of query heads
+    [g_lo, g_hi) of its group; returns the stage and tile counters."""
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -57,6 +59,45 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
     step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
     tile_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    mbarrier.wait(kv_empty, (tile & 1) ^ 1)
+    mbarrier.expect(kv_ready, tile_bytes)
+    key0 = k_start + kv * BLOCK_N
+    tma_load(k_desc, [batch, hkv, key0, 0], kv_ready, k_smem.reshape([1, 1, BLOCK_N, HEAD_D]))
+    tma_load(v_desc, [batch, hkv, key0, 0], kv_ready, v_smem.reshape([1, 1, BLOCK_N, HEAD_D]))
+    first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL, WINDOW)
+    for g in range(g_lo, g_hi):
+        q_head = hkv * GROUP + g
+        row_base = walk.head_rows(b, q_head, HQ, q_start, row_stride, VARLEN)
+        for step in range(count * NSUB):
+            _, row0, live = walk.step_rows(step, kv, first, count, tiles_q, tiles_kv, q_lo, q_hi,
+                                           BLOCK_M, BLOCK_N, CAUSAL, WINDOW, VARLEN, SCHEDULE)
+            if live:
+                s = it % STAGES
+                mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
+                bar = q_ready.index(s)
+                mbarrier.expect(bar, step_bytes)
+                packed_row = q_start + row0
+                tma_load(q_desc, [batch, q_head, packed_row, 0], bar,
+                         q_bufs.index(s).reshape([1, 1, BLOCK_M, HEAD_D]))
+                tma_load(do_desc, [batch, q_head, packed_row, 0], bar,
+                         do_bufs.index(s).reshape([1, 1, BLOCK_M, HEAD_D]))
+                stats_row = row_base + stats_shift + row0
+                tma_load(lse_desc, [stats_row], bar, lse_bufs.index(s))
+                tma_load(delta_desc, [stats_row], bar, delta_bufs.index(s))
+                it += 1
+    return it, tile + 1
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
+                    lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                    STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride,
+                    win_left, win_right, items_per_head, total_items,
+                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
+                    NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+                    HEADS_OUTER: gl.constexpr):
+    BLOCK_N: gl.constexpr = k_smem.shape[0]
+    VISITS: gl.constexpr = NUM_SLOTS * GROUP if HEADS_OUTER else NUM_SLOTS
     it = 0
     tile = 0
     for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
@@ -65,40 +106,16 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         batch = walk.tma_batch(b, VARLEN)
         stats_shift = walk.stats_shift(b, q_start, q_lo, STATS_START, VARLEN)
-        for slot in range(NUM_SLOTS):
+        for visit in range(VISITS):
+            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, HEADS_OUTER)
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
-                mbarrier.wait(kv_empty, (tile & 1) ^ 1)
-                mbarrier.expect(kv_ready, tile_bytes)
-                key0 = k_start + kv * BLOCK_N
-                tma_load(k_desc, [batch, hkv, key0, 0], kv_ready,
-                         k_smem.reshape([1, 1, BLOCK_N, HEAD_D]))
-                tma_load(v_desc, [batch, hkv, key0, 0], kv_ready,
-                         v_smem.reshape([1, 1, BLOCK_N, HEAD_D]))
-                tile += 1
-                first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
-                                            WINDOW)
-                for g in range(GROUP):
-                    q_head = hkv * GROUP + g
-                    row_base = walk.head_rows(b, q_head, HQ, q_start, row_stride, VARLEN)
-                    for step in range(count * NSUB):
-                        _, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
-                                                       tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,
-                                                       CAUSAL, WINDOW, VARLEN, SCHEDULE)
-                        if live:
-                            s = it % STAGES
-                            mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
-                            bar = q_ready.index(s)
-                            mbarrier.expect(bar, step_bytes)
-                            packed_row = q_start + row0
-                            tma_load(q_desc, [batch, q_head, packed_row, 0], bar,
-                                     q_bufs.index(s).reshape([1, 1, BLOCK_M, HEAD_D]))
-                            tma_load(do_desc, [batch, q_head, packed_row, 0], bar,
-                                     do_bufs.index(s).reshape([1, 1, BLOCK_M, HEAD_D]))
-                            stats_row = row_base + stats_shift + row0
-                            tma_load(lse_desc, [stats_row], bar, lse_bufs.index(s))
-                            tma_load(delta_desc, [stats_row], bar, delta_bufs.index(s))
-                            it += 1
+                it, tile = _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
+                                      q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem,
+                                      q_ready, q_empty, kv_ready, kv_empty, b, hkv, kv, g_lo,
+                                      g_hi, batch, stats_shift, q_start, k_start, q_lo, q_hi,
+                                      tiles_q, tiles_kv, HQ, row_stride, win_left, win_right, it,
+                                      tile, GROUP, CAUSAL, SCHEDULE, WINDOW, VARLEN)
 
 
 @gluon.jit
@@ -209,16 +226,34 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
 
 
 @gluon.jit
+def _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb, stride_dkh,
+                 stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, offs_kn, offs_kd,
+                 dtype: gl.constexpr):
+    """Write KV tile ``kv``'s finished dK (scaled) and dV, the keys of its sequence only."""
+    BLOCK_N: gl.constexpr = offs_kn.shape[0]
+    keys = kv * BLOCK_N + offs_kn
+    in_keys = gl.expand_dims((keys >= k_lo) & (keys < k_hi), 1)
+    packed_keys = gl.expand_dims(k_start + keys, 1).to(gl.int64)
+    dk_ptrs = (DK + b.to(gl.int64) * stride_dkb + hkv.to(gl.int64) * stride_dkh
+               + packed_keys * stride_dkn + gl.expand_dims(offs_kd, 0))
+    dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hkv.to(gl.int64) * stride_dvh
+               + packed_keys * stride_dvn + gl.expand_dims(offs_kd, 0))
+    gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=in_keys)
+    gl.store(dv_ptrs, dv.to(dtype), mask=in_keys)
+
+
+@gluon.jit
 def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
-                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, CU_Q, CU_K,
-                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, STASH,
+                       CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                        HQ, HKV, L, S, n_q, n_kv, max_q, max_k, win_left, win_right,
                        items_per_head, total_items, qk_scale, sm_scale,
                        GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                        NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, EVEN_S: gl.constexpr,
                        DK_IN_FLIGHT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                        NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
-                       HANDOFF_THREADS: gl.constexpr, num_warps: gl.constexpr):
+                       HANDOFF_THREADS: gl.constexpr, HEADS_OUTER: gl.constexpr,
+                       num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -236,18 +271,27 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     offs_kd = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
+    VISITS: gl.constexpr = NUM_SLOTS * GROUP if HEADS_OUTER else NUM_SLOTS
     it = 0
     tile = 0
     for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
         b, hkv, item = walk.work_head(work, items_per_head, HKV)
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
-        for slot in range(NUM_SLOTS):
+        for visit in range(VISITS):
+            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, HEADS_OUTER)
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
                 cols = kv * BLOCK_N + offs_n
-                dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=kv_layout)
-                dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=kv_layout)
+                if HEADS_OUTER:  # the tile's dK and dV over the heads before g_lo, kept here
+                    stash = (STASH + ((gl.program_id(0) * NUM_SLOTS + slot) * 2) * BLOCK_N * HEAD_D
+                             + gl.expand_dims(offs_kn, 1) * HEAD_D + gl.expand_dims(offs_kd, 0))
+                    kept = gl.expand_dims(offs_kn >= 0, 1) & (g_lo > 0)
+                    dk = gl.load(stash, mask=kept, other=0.0)
+                    dv = gl.load(stash + BLOCK_N * HEAD_D, mask=kept, other=0.0)
+                else:
+                    dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=kv_layout)
+                    dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=kv_layout)
                 mbarrier.wait(kv_ready, tile & 1)
                 if VARLEN:
                     if walk.crosses_edge(kv * BLOCK_N, BLOCK_N, k_lo, k_hi):
@@ -256,7 +300,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                 first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
                                             WINDOW)
                 first_it = it
-                for g in range(GROUP):
+                for g in range(g_lo, g_hi):
                     for step in range(count * NSUB):
                         _, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
                                                        tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,
@@ -275,20 +319,23 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                     mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
                 mbarrier.arrive(kv_empty, count=1)
                 tile += 1
-                keys = kv * BLOCK_N + offs_kn
-                in_keys = gl.expand_dims((keys >= k_lo) & (keys < k_hi), 1)
-                packed_keys = gl.expand_dims(k_start + keys, 1).to(gl.int64)
-                dk_ptrs = (DK + b.to(gl.int64) * stride_dkb + hkv.to(gl.int64) * stride_dkh
-                           + packed_keys * stride_dkn + gl.expand_dims(offs_kd, 0))
-                dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hkv.to(gl.int64) * stride_dvh
-                           + packed_keys * stride_dvn + gl.expand_dims(offs_kd, 0))
-                gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=in_keys)
-                gl.store(dv_ptrs, dv.to(dtype), mask=in_keys)
+                if HEADS_OUTER:
+                    if g_hi < GROUP:  # each thread reads back its own elements: no barrier
+                        gl.store(stash, dk)
+                        gl.store(stash + BLOCK_N * HEAD_D, dv)
+                    else:
+                        _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb,
+                                     stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                                     sm_scale, offs_kn, offs_kd, dtype)
+                else:
+                    _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb,
+                                 stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                                 sm_scale, offs_kn, offs_kd, dtype)
 
 
 @gluon.jit
 def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, DQACC,
-                    TICKETS, ERR, STATS_START, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn,
+                    STASH, TICKETS, ERR, STATS_START, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn,
                     stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                     row_stride, win_left, win_right, items_per_head, total_items, qk_scale,
                     sm_scale, max_spin,
@@ -298,14 +345,16 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
                     DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
-                    LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                    HEADS_OUTER: gl.constexpr, LOAD_REGS: gl.constexpr,
+                    WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
     Dense: rank-4 descriptors over (B, heads, rows, D) in the tensors' own strides, row stats and
     DQACC over (B * Hq, row_stride). VARLEN: descriptors over (1, heads, T, D) views of the packed
     tensors, DQACC and TICKETS over (Hq, row_stride) by packed row, the stats over
     (Hq, row_stride) with sequence b's rows from STATS_START[b]; batch entry b is sequence b of
-    the offsets CU_Q, CU_K (L, S: totals).
+    the offsets CU_Q, CU_K (L, S: totals). HEADS_OUTER: STASH holds each program's fp32 dK and
+    dV of its items' KV tiles between their query heads, (programs, NUM_SLOTS, 2, BLOCK_N, D).
     """
     dtype: gl.constexpr = q_desc.dtype
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -353,21 +402,21 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     gl.warp_specialize([
         (_compute_partition, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                               q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV,
-                              CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+                              STASH, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
                               stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                               win_left, win_right, items_per_head, total_items, qk_scale, sm_scale,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, HANDOFF_THREADS,
-                              num_warps)),
+                              HEADS_OUTER, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                            row_stride, win_left, win_right, items_per_head, total_items,
-                           GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN)),
+                           GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, HEADS_OUTER)),
         (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS,
                                ERR, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                                row_stride, win_left, win_right, items_per_head, total_items,
                                max_spin, GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ,
                                ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA, WRITER_FREES,
-                               DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS)),
+                               DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS, HEADS_OUTER)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

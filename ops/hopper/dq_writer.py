@@ -32,14 +32,15 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                         ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
                         VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
                         PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
-                        HANDOFF_THREADS: gl.constexpr):
+                        HANDOFF_THREADS: gl.constexpr, HEADS_OUTER: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
     TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
     with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release a
     Q/dO stage that the compute warps retired before handing the partial over: the KV tile's
     previous step's with PREVIOUS_STAGE (dK in flight), else the partial's own (one arrive a
     step fewer for them, each of which costs them two barriers). NAMED_HANDOFF: the partial
-    comes on a named barrier of HANDOFF_THREADS threads, else on the ``dq_ready`` mbarrier."""
+    comes on a named barrier of HANDOFF_THREADS threads, else on the ``dq_ready`` mbarrier.
+    HEADS_OUTER: an item visits its KV tiles once per query head (``walk.visit_heads``)."""
     if not COMPUTE_DQ:
         return
     DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
@@ -47,6 +48,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
     HEAD_D: gl.constexpr = dq_bufs.shape[2]
     STAGES: gl.constexpr = q_empty.shape[0]
     NSUB: gl.constexpr = BLOCK_N // BLOCK_M
+    VISITS: gl.constexpr = NUM_SLOTS * GROUP if HEADS_OUTER else NUM_SLOTS
     # Four contiguous floats per lane and no lane holding another's elements (the adds are raw
     # ``red`` instructions: a replicated element would be added twice).
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // HEAD_D, HEAD_D // 4], [1, 1], [1, 0])
@@ -57,13 +59,14 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
         b, hkv, item = walk.work_head(work, items_per_head, HKV)
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
-        for slot in range(NUM_SLOTS):
+        for visit in range(VISITS):
+            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, HEADS_OUTER)
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
                 first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
                                             WINDOW)
                 first_it = it
-                for g in range(GROUP):
+                for g in range(g_lo, g_hi):
                     row_base = walk.head_rows(b, hkv * GROUP + g, HQ, q_start, row_stride, VARLEN)
                     for step in range(count * NSUB):
                         qt, row0, live = walk.step_rows(step, kv, first, count, tiles_q,

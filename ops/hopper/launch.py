@@ -235,13 +235,17 @@ def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor,
         schedule, cfg, batch, hkv, n_kv, is_causal, hq // hkv, even_s, window != (-1, -1),
         packed is not None, _sm_count(q.device.index or 0))
     cu_q, cu_k, max_q, max_k = packed or (tickets, tickets, 0, 0)
+    stash = stats  # fp32, never touched unless the items visit their tiles head by head
+    if constexprs["HEADS_OUTER"]:
+        stash = torch.empty((grid[0], constexprs["NUM_SLOTS"], 2, cfg.block_n, q.shape[3]),
+                            device=q.device, dtype=torch.float32)
     dk_batch, dv_batch = (0, 0) if packed else (dk.stride(0), dv.stride(0))
     backward_kernel[grid](
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
         _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
         _row_descriptor(stats[1], cfg.block_m),
         _accumulator_descriptor(dq_acc, cfg.block_m, q.shape[3], q.device), dk, dv,
-        stats if dq_acc is None else dq_acc, tickets, error_flag, stats_start, cu_q, cu_k,
+        stats if dq_acc is None else dq_acc, stash, tickets, error_flag, stats_start, cu_q, cu_k,
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2),
         hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, *window, per_head,
         total_items, scale * LOG2E, scale, max_spin, **constexprs)

@@ -60,6 +60,20 @@ def slot_tile(item, slot, tiles_kv, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr
 
 
 @gluon.jit
+def visit_heads(visit, NUM_SLOTS: gl.constexpr, GROUP: gl.constexpr, HEADS_OUTER: gl.constexpr):
+    """(slot, first query head, last query head + 1) of a work item's ``visit``-th visit of a KV
+    tile: each slot's tile once for all the query heads of its GQA group (``NUM_SLOTS`` visits),
+    or, HEADS_OUTER, once per head, the heads outermost (``NUM_SLOTS * GROUP`` visits): then
+    every item of a KV head spends the same time on each query head, so the items in flight
+    touch one query head's dQ, Q and dO at a time (docs/kernels-notes.md)."""
+    if HEADS_OUTER:
+        result = (visit % NUM_SLOTS, visit // NUM_SLOTS, visit // NUM_SLOTS + 1)
+    else:
+        result = (visit, 0 * visit, 0 * visit + GROUP)
+    return result
+
+
+@gluon.jit
 def q_range(kv, tiles_q, BLOCK_N: gl.constexpr, win_left, win_right, CAUSAL: gl.constexpr,
             WINDOW: gl.constexpr):
     """(first Q tile, count) of the Q tiles KV tile ``kv`` meets (first is 0 without a window)."""
