@@ -7,8 +7,9 @@ Each ``--config`` overrides fields of :class:`~dash_inductor.ops.hopper.config.H
 (the default config is always timed first). ``--shape B,Hq,Hkv,N,D`` replaces the default shapes;
 ``--rounds`` times the configs that many times, alternating, for the spread between timings.
 Prints one line per (shape, causal, schedule, round) with the backward TFLOP/s of every config,
-as ``bench/hopper_check.py`` counts them, and writes ``hopper_tune.json`` to ``--out``. The
-tuning decisions in docs/kernels-notes.md come from here.
+as ``bench/hopper_check.py`` counts them, and, for deterministic schedules, whether each config's
+gradients are bitwise those of the default (a config changes speed, never bits); writes
+``hopper_tune.json`` to ``--out``. The tuning decisions in docs/kernels-notes.md come from here.
 """
 
 from __future__ import annotations
@@ -71,16 +72,22 @@ def main() -> int:
             q, k, v, do = inputs(*shape)
             out, lse = _forward(q, k, v, causal)
             for schedule in schedules:
+                grads = {name: _hopper(q, k, v, do, out, lse, causal, schedule, cfg)
+                         for name, cfg in configs.items()}
+                same = {name: all(map(torch.equal, g, grads["default"]))
+                        for name, g in grads.items() if name != "default"}
+                del grads
                 for round_ in range(args.rounds):
                     row = {"shape": shape, "causal": causal, "schedule": schedule,
-                           "round": round_}
+                           "round": round_, "bits_equal_default": same}
                     for name, cfg in configs.items():
                         row[name] = bench_tflops(
                             lambda: _hopper(q, k, v, do, out, lse, causal, schedule, cfg), shape,
                             causal)
                     rows.append(row)
                     log(f"{shape} causal={causal} {schedule:10s} " + "  ".join(
-                        f"{name}={row[name]:.0f}" for name in configs))
+                        f"{name}={row[name]:.0f}" for name in configs)
+                        + ("" if schedule == "atomic" else f"  bits equal {same}"))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         with open(f"{args.out}/hopper_tune.json", "w") as f:
