@@ -34,8 +34,8 @@ def auto_on_hopper(causal: bool) -> str:
     causal, ``descending`` unmasked, at every head dim and length.
 
     Causal: ``shift``, the fastest deterministic schedule at every causal point of the H100 and
-    H200 tables (77ddbaa: 4k 424 TFLOP/s against the portable ``recompute``'s 344, GQA 4:1 376
-    against 346, 16k 499 against 407; head dim 64 4k 340 against 313).
+    H200 tables (65be22d: 4k 431 TFLOP/s against the portable ``recompute``'s 344, GQA 4:1 409
+    against 344, 16k 512 against 397; head dim 64 4k 340 against 313).
 
     Unmasked: ``descending``. Since the grid keeps each head's items in one round
     (``ordered_programs``) it leads or ties every other schedule (H100 grids of 5b4e495 and
