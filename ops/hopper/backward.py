@@ -95,9 +95,8 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                     win_left, win_right, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
-                    HEADS_OUTER: gl.constexpr):
+                    HEADS_OUTER: gl.constexpr, VISITS: gl.constexpr):
     BLOCK_N: gl.constexpr = k_smem.shape[0]
-    VISITS: gl.constexpr = NUM_SLOTS * GROUP if HEADS_OUTER else NUM_SLOTS
     it = 0
     tile = 0
     for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
@@ -253,7 +252,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                        DK_IN_FLIGHT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                        NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
                        HANDOFF_THREADS: gl.constexpr, HEADS_OUTER: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       VISITS: gl.constexpr, num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -271,7 +270,6 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     offs_kd = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
-    VISITS: gl.constexpr = NUM_SLOTS * GROUP if HEADS_OUTER else NUM_SLOTS
     it = 0
     tile = 0
     for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
@@ -375,6 +373,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     WRITER_FREES: gl.constexpr = COMPUTE_DQ and (DK_IN_FLIGHT or NAMED_HANDOFF)
     # The named hand-off's participants: the compute warps and the writer's one warp.
     HANDOFF_THREADS: gl.constexpr = 32 * num_warps + 32
+    # KV tile visits per work item (``walk.visit_heads``): one per slot, or one per slot and head.
+    VISITS: gl.constexpr = NUM_SLOTS * GROUP if HEADS_OUTER else NUM_SLOTS
 
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
@@ -407,16 +407,18 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                               win_left, win_right, items_per_head, total_items, qk_scale, sm_scale,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, HANDOFF_THREADS,
-                              HEADS_OUTER, num_warps)),
+                              HEADS_OUTER, VISITS, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                            row_stride, win_left, win_right, items_per_head, total_items,
-                           GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, HEADS_OUTER)),
+                           GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, HEADS_OUTER,
+                           VISITS)),
         (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS,
                                ERR, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                                row_stride, win_left, win_right, items_per_head, total_items,
                                max_spin, GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ,
                                ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA, WRITER_FREES,
-                               DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS, HEADS_OUTER)),
+                               DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS, HEADS_OUTER,
+                               VISITS)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

@@ -32,7 +32,8 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                         ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
                         VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
                         PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
-                        HANDOFF_THREADS: gl.constexpr, HEADS_OUTER: gl.constexpr):
+                        HANDOFF_THREADS: gl.constexpr, HEADS_OUTER: gl.constexpr,
+                        VISITS: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
     TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
     with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release a
@@ -40,7 +41,8 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
     previous step's with PREVIOUS_STAGE (dK in flight), else the partial's own (one arrive a
     step fewer for them, each of which costs them two barriers). NAMED_HANDOFF: the partial
     comes on a named barrier of HANDOFF_THREADS threads, else on the ``dq_ready`` mbarrier.
-    HEADS_OUTER: an item visits its KV tiles once per query head (``walk.visit_heads``)."""
+    HEADS_OUTER: an item visits its KV tiles once per query head (``walk.visit_heads``), VISITS
+    times in all."""
     if not COMPUTE_DQ:
         return
     DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
@@ -48,7 +50,6 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
     HEAD_D: gl.constexpr = dq_bufs.shape[2]
     STAGES: gl.constexpr = q_empty.shape[0]
     NSUB: gl.constexpr = BLOCK_N // BLOCK_M
-    VISITS: gl.constexpr = NUM_SLOTS * GROUP if HEADS_OUTER else NUM_SLOTS
     # Four contiguous floats per lane and no lane holding another's elements (the adds are raw
     # ``red`` instructions: a replicated element would be added twice).
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // HEAD_D, HEAD_D // 4], [1, 1], [1, 0])
