@@ -54,14 +54,17 @@ from dash_inductor.testing import (  # noqa: E402
 )
 
 BF16, FP16 = torch.bfloat16, torch.float16
-#: Representative problems for the 1000-repeat check: full and causal, head dims 64/96/128, GQA,
-#: lengths off the tile grid, a one-query decode step, masks with fully-masked rows, views.
+#: Representative problems for the 1000-repeat check: full and causal, head dims 64/96/128, GQA
+#: (at d128 causal, the Hopper items that visit their tiles head by head), lengths off the tile
+#: grid, a one-query decode step, masks with fully-masked rows, views.
 REPRESENTATIVE: dict[str, AttentionProblem] = {
     "bf16 d128 full N=2048": AttentionProblem(2, 16, 16, 2048, 2048, 128, 128, BF16),
     "bf16 d128 causal N=2048": AttentionProblem(2, 16, 16, 2048, 2048, 128, 128, BF16,
                                                 is_causal=True),
     "bf16 d64 GQA 16/4 causal N=1000": AttentionProblem(2, 16, 4, 1000, 1000, 64, 64, BF16,
                                                         is_causal=True),
+    "bf16 d128 GQA 16/4 causal N=2048": AttentionProblem(2, 16, 4, 2048, 2048, 128, 128, BF16,
+                                                         is_causal=True),
     "fp16 d96 bool mask L=777 S=1200, masked rows, (B,L,H,E) views": AttentionProblem(
         2, 8, 8, 777, 1200, 96, 96, FP16, mask="bool", mask_shape="batch",
         masked_rows=(0, 500), layout="transposed"),
