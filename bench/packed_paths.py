@@ -2,9 +2,10 @@
 and the portable ``recompute`` (what ``schedule="auto"`` picks for packed sequences, by this
 measurement).
 
-    python bench/packed_paths.py [--head-dim 64]
+    python bench/packed_paths.py [--head-dim 64] [--full]
 
-bf16, head dim 128 with 16 heads (or 64 with 32), 16,384 packed tokens, causal, on four packings:
+bf16, head dim 128 with 16 heads (or 64 with 32), 16,384 packed tokens, causal (or, ``--full``,
+unmasked) within each sequence, on four packings:
 three documents of unequal length, four of 4096, one sequence, three of equal length.
 ``triton.testing.do_bench`` medians of the backward alone (the forward is the portable one, run
 once); TFLOP/s count the attended pairs only (2.5 x 4 x H x D x pairs). Prints one line per
@@ -28,9 +29,11 @@ PACKINGS = ([7429, 3667, 5288], [4096] * 4, [TOKENS], [5461, 5461, 5462])
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
-    head_dim = parser.parse_args().head_dim
+    parser.add_argument("--full", action="store_true", help="no causal mask within a sequence")
+    args = parser.parse_args()
+    head_dim, causal = args.head_dim, not args.full
     heads = WIDTH // head_dim
-    print(f"head dim {head_dim}, {heads} heads", flush=True)
+    print(f"head dim {head_dim}, {heads} heads, {'causal' if causal else 'full'}", flush=True)
     for lens in PACKINGS:
         torch.manual_seed(0)
         q, k, v, do = (torch.randn(TOKENS, heads, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -39,19 +42,20 @@ def main() -> None:
                           device="cuda")
         longest, scale = max(lens), head_dim ** -0.5
         out, lse = torch.empty_like(q), torch.empty(heads, TOKENS, device="cuda")
-        packed.varlen_forward(q, k, v, cu, cu, longest, longest, out, lse, is_causal=True,
+        packed.varlen_forward(q, k, v, cu, cu, longest, longest, out, lse, is_causal=causal,
                               scale=scale, kernel="portable")
-        flops = 2.5 * 4 * heads * head_dim * sum(n * (n + 1) // 2 for n in lens)
+        pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
+        flops = 2.5 * 4 * heads * head_dim * pairs
         grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
         row = []
         for schedule in ("shift", "descending", "ascending", "atomic", "recompute"):
             ms = triton.testing.do_bench(lambda: hopper_varlen_backward(
-                do, q, k, v, out, lse, (cu, cu, longest, longest), *grads, is_causal=True,
+                do, q, k, v, out, lse, (cu, cu, longest, longest), *grads, is_causal=causal,
                 scale=scale, schedule=catalog.get(schedule), max_spin=1 << 26, window=(-1, -1)),
                 warmup=20, rep=100)
             row.append(f"{schedule} {ms:.3f}ms {flops / ms / 1e9:.0f}TF")
         ms = triton.testing.do_bench(lambda: packed.varlen_backward(
-            do, q, k, v, out, lse, cu, cu, longest, longest, *grads, is_causal=True, scale=scale,
+            do, q, k, v, out, lse, cu, cu, longest, longest, *grads, is_causal=causal, scale=scale,
             schedule="recompute", kernel="portable"), warmup=20, rep=100)
         row.append(f"portable-recompute {ms:.3f}ms {flops / ms / 1e9:.0f}TF")
         print(lens, " | ".join(row), flush=True)

@@ -3,16 +3,19 @@
 Each packed sequence is a virtual batch entry (``ops/packed.py``): its tiles are counted from its
 own length, and its KV tiles visit its Q tiles in the order, with the ranks, of a dense sequence of
 that many tiles, so a sequence's steps are ``schedule.item_steps`` of its tile count. What packing
-adds is the deal: the kernels give every (sequence, KV head) the work items of the *longest*
-sequence, sequences major, and program p takes items p, p + P, ...; the items a short sequence
-does not have are drawn and skipped. (The portable kernel deals causal unordered items by a work
-counter instead; that deal is not modelled here.) :func:`packed_plans` builds that deal (and, for
-comparison, ``pad=False``: the same order without the empty items), :func:`simulate_packed` runs it.
+adds is the deal: program p takes work indices p, p + P, ..., sequences major. The padded deal
+gives every (sequence, KV head) the work items of the *longest* sequence; the items a short
+sequence does not have are drawn and skipped (the portable kernel, and the Hopper kernel's
+schedules other than ``shift``). The unpadded deal lists the real items only (the Hopper kernel's
+``shift``, ``ops/hopper/deal.py``). (The portable kernel deals causal unordered items by a work
+counter instead; that deal is not modelled here.) :func:`packed_plans` builds either deal
+(``pad``), :func:`simulate_packed` runs it.
 
 In this model, three causal documents of 59, 29 and 42 tiles on 132 programs with 16 heads
 (``c = 1``, ``r = 0.15``) finish ``shift`` 17% later with the padded deal than without (578 against
-492), and ``descending`` and ``atomic`` 1-3% sooner; on an H200 the kernel dealt without padding
-ran ``shift`` 13% faster there and the others 4-5% slower (docs/kernels-notes.md).
+492), and ``descending`` and ``atomic`` 1-3% sooner; on an H100 the Hopper kernel dealt without
+padding ran ``shift`` 12.5% faster there (2.84 against 3.25 ms at d128), ``descending`` and
+``atomic`` 3-5% slower (docs/kernels-notes.md).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def packed_plans(schedule: str, *, tiles: Sequence[int], n_heads: int, programs:
     alike, as the aligned walk makes them), ``n_heads`` KV heads, ``group`` query heads each.
 
     ``Step.head`` numbers (sequence, KV head) pairs: ``b * n_heads + head``. ``pad``: deal every
-    sequence the longest one's item count, as the kernels do; else only its own items.
+    sequence the longest one's item count; else only its own items.
     """
     catalog.get(schedule)
     if not tiles or min(tiles) < 0 or n_heads < 1 or programs < 1 or group < 1:

@@ -229,7 +229,7 @@ def resolve_schedule(schedule: str, head_dim: int, dtype: torch.dtype, causal: b
 
 def choose_path(kernel: str, schedule: str, requested: Schedule, q: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-                window: tuple[int, int]) -> tuple[str, str | None, Schedule]:
+                window: tuple[int, int], packed: bool = False) -> tuple[str, str | None, Schedule]:
     """(kernel path, why "auto" did not take the Hopper one, the schedule to run there):
     ``schedule="auto"`` is the Hopper path's own auto schedule (``auto_on_hopper``) where that
     path takes the inputs, else ``requested``
@@ -237,7 +237,7 @@ def choose_path(kernel: str, schedule: str, requested: Schedule, q: torch.Tensor
     if schedule == catalog.AUTO and kernel != "portable":
         from .hopper.config import auto_on_hopper
 
-        on_hopper = auto_on_hopper(is_causal)
+        on_hopper = auto_on_hopper(is_causal, packed)
         path, reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal, on_hopper,
                                      window)
         if path == HOPPER:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .backward import choose_path, launch_main, resolve_schedule
-from .catalog import AUTO, KERNELS
+from .catalog import KERNELS
 from .configs import arch_key, backward_config, forward_config, head_dim_bucket
 from .dispatch import HOPPER, PORTABLE
 from .dq_pass import launch_dq_pass
@@ -156,11 +156,8 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     n_q, n_kv = triton.cdiv(span_q, cfg.block_n), triton.cdiv(span_k, cfg.block_n)
     requested = resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, max(n_kv, 1), arch)
     _check_kernel(kernel)
-    # "auto" keeps the portable rule's schedule (recompute) here: on packed documents of unequal
-    # length no Hopper schedule beat it (H200, bench/packed_paths.py, docs/benchmarks.md).
-    named = requested.name if schedule == AUTO else schedule
-    path, reason, requested = choose_path(kernel, named, requested, q, k, v, None, is_causal,
-                                          window)
+    path, reason, requested = choose_path(kernel, schedule, requested, q, k, v, None, is_causal,
+                                          window, packed=True)
     _check_on_device(cu_seq_q, cu_seq_k, (tq, tk), (max_q, max_k))
     if path == HOPPER:
         from .hopper.launch import varlen_backward as hopper_varlen_backward

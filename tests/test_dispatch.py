@@ -109,11 +109,11 @@ def test_descriptors_walk_the_tensors_own_strides():
     assert list(_descriptor(single, 64).strides) == [8, 64, 256, 1]  # 8 bf16 = 16 bytes
 
 
-def test_packed_auto_stays_portable_and_named_ordered_schedules_take_hopper(hopper_takes_it,
-                                                                            monkeypatch):
-    """On packed documents of unequal length no Hopper schedule beat the portable ``recompute``
-    (H200, bench/packed_paths.py): "auto" runs it; a named ordered schedule runs on the Hopper
-    kernel."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_auto_runs_hopper_shift(hopper_takes_it, monkeypatch, causal):
+    """On packed sequences, dealt unpadded, ``shift`` led every deterministic schedule causal and
+    unmasked (H100, bench/packed_paths.py): "auto" runs it on the Hopper kernel, as does a
+    named ordered schedule; a named ``recompute`` stays portable (``FASTER_ON_HOPPER``)."""
     from dash_inductor.ops import packed
     from dash_inductor.ops.hopper import launch
 
@@ -123,18 +123,18 @@ def test_packed_auto_stays_portable_and_named_ordered_schedules_take_hopper(hopp
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     q, k, v, do = (torch.randn(12, 2, 16) for _ in range(4))
     out, lse = torch.empty_like(q), torch.empty(2, 12)
-    packed.varlen_forward(q, k, v, cu, cu, 7, 7, out, lse, is_causal=True, scale=0.25)
+    packed.varlen_forward(q, k, v, cu, cu, 7, 7, out, lse, is_causal=causal, scale=0.25)
 
     def backward(schedule):
         grads = (torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v))
         return packed.varlen_backward(do, q, k, v, out, lse, cu, cu, 7, 7, *grads,
-                                      is_causal=True, scale=0.25, schedule=schedule)
+                                      is_causal=causal, scale=0.25, schedule=schedule)
 
-    assert backward("shift") == "hopper" and ran == ["shift"]
-    plan = backward("auto")
-    assert (plan.kernel, plan.schedule, plan.schedule_requested) == ("portable", "recompute",
-                                                                     "auto")
-    assert ran == ["shift"]
+    assert backward("descending") == "hopper" and ran == ["descending"]
+    assert backward("auto") == "hopper" and ran == ["descending", "shift"]
+    plan = backward("recompute")
+    assert (plan.kernel, plan.schedule) == ("portable", "recompute")
+    assert ran == ["descending", "shift"]
 
 
 @pytest.mark.parametrize("dim, seq, causal, window, expected", [

@@ -91,16 +91,17 @@ def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                    STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride,
-                    win_left, win_right, items_per_head, total_items,
+                    STATS_START, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+                    row_stride, win_left, win_right, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
-                    HEADS_OUTER: gl.constexpr, VISITS: gl.constexpr):
+                    HEADS_OUTER: gl.constexpr, VISITS: gl.constexpr, UNPADDED: gl.constexpr):
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     it = 0
     tile = 0
-    for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
-        b, hkv, item = walk.work_head(work, items_per_head, HKV)
+    works = walk.work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED)
+    for work in range(gl.program_id(0), works, gl.num_programs(0)):
+        b, hkv, item = walk.work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED)
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         batch = walk.tma_batch(b, VARLEN)
@@ -244,7 +245,8 @@ def _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb, st
 @gluon.jit
 def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                        q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, STASH,
-                       CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                       CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+                       stride_dvh, stride_dvn,
                        HQ, HKV, L, S, n_q, n_kv, max_q, max_k, win_left, win_right,
                        items_per_head, total_items, qk_scale, sm_scale,
                        GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
@@ -252,7 +254,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                        DK_IN_FLIGHT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                        NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
                        HANDOFF_THREADS: gl.constexpr, HEADS_OUTER: gl.constexpr,
-                       VISITS: gl.constexpr, num_warps: gl.constexpr):
+                       VISITS: gl.constexpr, UNPADDED: gl.constexpr, num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -272,8 +274,9 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
     offs_kd = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
     it = 0
     tile = 0
-    for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
-        b, hkv, item = walk.work_head(work, items_per_head, HKV)
+    works = walk.work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED)
+    for work in range(gl.program_id(0), works, gl.num_programs(0)):
+        b, hkv, item = walk.work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED)
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         for visit in range(VISITS):
@@ -333,8 +336,9 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
 
 @gluon.jit
 def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, DQACC,
-                    STASH, TICKETS, ERR, STATS_START, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn,
-                    stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+                    STASH, TICKETS, ERR, STATS_START, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh,
+                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv,
+                    max_q, max_k,
                     row_stride, win_left, win_right, items_per_head, total_items, qk_scale,
                     sm_scale, max_spin,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
@@ -343,7 +347,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
                     DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
-                    HEADS_OUTER: gl.constexpr, LOAD_REGS: gl.constexpr,
+                    HEADS_OUTER: gl.constexpr, UNPADDED: gl.constexpr, LOAD_REGS: gl.constexpr,
                     WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
@@ -351,7 +355,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     DQACC over (B * Hq, row_stride). VARLEN: descriptors over (1, heads, T, D) views of the packed
     tensors, DQACC and TICKETS over (Hq, row_stride) by packed row, the stats over
     (Hq, row_stride) with sequence b's rows from STATS_START[b]; batch entry b is sequence b of
-    the offsets CU_Q, CU_K (L, S: totals). HEADS_OUTER: STASH holds each program's fp32 dK and
+    the offsets CU_Q, CU_K (L, S: totals); UNPADDED: the items are dealt by PREFIX
+    (``deal.py``), else every sequence has ``items_per_head``. HEADS_OUTER: STASH holds each program's fp32 dK and
     dV of its items' KV tiles between their query heads, (programs, NUM_SLOTS, 2, BLOCK_N, D).
     """
     dtype: gl.constexpr = q_desc.dtype
@@ -402,23 +407,24 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     gl.warp_specialize([
         (_compute_partition, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                               q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV,
-                              STASH, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
-                              stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+                              STASH, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh, stride_dkn,
+                              stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q,
+                              max_k,
                               win_left, win_right, items_per_head, total_items, qk_scale, sm_scale,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, HANDOFF_THREADS,
-                              HEADS_OUTER, VISITS, num_warps)),
+                              HEADS_OUTER, VISITS, UNPADDED, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                           STATS_START, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+                           STATS_START, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                            row_stride, win_left, win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, HEADS_OUTER,
-                           VISITS)),
+                           VISITS, UNPADDED)),
         (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS,
-                               ERR, CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+                               ERR, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                                row_stride, win_left, win_right, items_per_head, total_items,
                                max_spin, GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ,
                                ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA, WRITER_FREES,
                                DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS, HEADS_OUTER,
-                               VISITS)),
+                               VISITS, UNPADDED)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

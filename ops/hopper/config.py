@@ -29,9 +29,15 @@ FASTER_ON_HOPPER = ORDERED
 FORWARD_MIN_SEQ = {64: 4096, 128: 2048}
 
 
-def auto_on_hopper(causal: bool) -> str:
+def auto_on_hopper(causal: bool, packed: bool = False) -> str:
     """What ``schedule="auto"`` resolves to where the Hopper path takes the inputs: ``shift``
-    causal, ``descending`` unmasked, at every head dim and length.
+    causal and for packed sequences, ``descending`` for unmasked dense ones, at every head dim
+    and length.
+
+    Packed (dealt unpadded, ``deal.py``; H100, ``bench/packed_paths.py`` and
+    ``bench/results/2026-11-24-h100-*/deal_ab.log``): ``shift`` led every deterministic schedule
+    on documents of unequal length, causal (d128 2.84 ms against ``descending``'s 3.25 and
+    ``recompute``'s 3.13-3.19) and unmasked (4.56 against 4.91 and 5.36).
 
     Causal: ``shift``, the fastest deterministic schedule at every causal point of the H100 and
     H200 tables (65be22d: 4k 431 TFLOP/s against the portable ``recompute``'s 344, GQA 4:1 409
@@ -46,7 +52,7 @@ def auto_on_hopper(causal: bool) -> str:
     led before the aligned grid (1-5%) and once since (384 against 371), and trailed twice (358
     against 368, 359 against 374): one rule for every head dim.
     """
-    return "shift" if causal else "descending"
+    return "shift" if causal or packed else "descending"
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,12 @@ class HopperBackwardConfig:
     schedule with equally long items runs on a whole number of heads' worth of programs
     (:func:`ordered_programs`); ``heads_outer``: a causal item of a GQA group visits its two KV
     tiles once per query head, keeping the tiles' dK and dV in global memory in between
-    (:func:`heads_outer`). Three Q/dO stages and one dQ buffer measured faster than two
+    (:func:`heads_outer`); ``unpadded_deal``: packed sequences' items are dealt without the
+    padding items of the padded deal (``deal.py``) under the schedules whose items of a head
+    must run at once (``shift``): on three documents of 7429, 3667 and 5288 tokens (H100, d128,
+    causal) ``shift`` took 2.84-2.86 ms against 3.25, unmasked 4.56-4.62 against 5.34, with the
+    same bits; ``descending`` and ``atomic`` were 2-5% slower unpadded there, so they keep the
+    padded deal. Three Q/dO stages and one dQ buffer measured faster than two
     and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an H100; with the TMA
     writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower causal in one run
     (411 vs 424; 16k causal 462 vs 465), so one config serves both. The TMA writer measured
@@ -87,6 +98,7 @@ class HopperBackwardConfig:
     num_warps: int = 8
     aligned_grid: bool = True
     heads_outer: bool = True
+    unpadded_deal: bool = True
 
 
 def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
@@ -189,5 +201,6 @@ def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
                 DK_IN_FLIGHT=cfg.dk_in_flight, DQ_TMA=cfg.dq_tma,
                 NAMED_HANDOFF=cfg.named_handoff,
                 HEADS_OUTER=heads_outer(cfg, sched.slots(causal), group, window, varlen),
+                UNPADDED=cfg.unpadded_deal and varlen and sched.coresident_head,
                 LOAD_REGS=cfg.load_regs,
                 WRITER_REGS=cfg.writer_regs, num_warps=cfg.num_warps)

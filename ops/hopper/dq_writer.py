@@ -25,7 +25,7 @@ def _take_partial(dq_ready, it, NAMED_HANDOFF: gl.constexpr, HANDOFF_THREADS: gl
 
 @gluon.jit
 def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, ERR,
-                        CU_Q, CU_K, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
+                        CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
                         win_right, items_per_head, total_items, max_spin,
                         GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                         NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
@@ -33,7 +33,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                         VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
                         PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
                         HANDOFF_THREADS: gl.constexpr, HEADS_OUTER: gl.constexpr,
-                        VISITS: gl.constexpr):
+                        VISITS: gl.constexpr, UNPADDED: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
     TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
     with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release a
@@ -56,8 +56,9 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
     offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
     it = 0
-    for work in range(gl.program_id(0), total_items, gl.num_programs(0)):
-        b, hkv, item = walk.work_head(work, items_per_head, HKV)
+    works = walk.work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED)
+    for work in range(gl.program_id(0), works, gl.num_programs(0)):
+        b, hkv, item = walk.work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED)
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         for visit in range(VISITS):

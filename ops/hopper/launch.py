@@ -30,6 +30,7 @@ from ..tiles import LOG2E
 from .backward import backward_kernel
 from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
                      backward_constexprs, forward_constexprs, ordered_programs)
+from .deal import item_prefix
 from .forward import forward_kernel
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -235,6 +236,11 @@ def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor,
         schedule, cfg, batch, hkv, n_kv, is_causal, hq // hkv, even_s, window != (-1, -1),
         packed is not None, _sm_count(q.device.index or 0))
     cu_q, cu_k, max_q, max_k = packed or (tickets, tickets, 0, 0)
+    prefix = tickets  # read only when packed items are dealt unpadded
+    if constexprs["UNPADDED"]:
+        prefix = item_prefix(cu_q, cu_k, seq_q, seq_k, max_q, max_k, block_n=cfg.block_n,
+                             aligned=is_causal or window != (-1, -1), causal=is_causal,
+                             schedule=schedule)
     stash = stats  # fp32, never touched unless the items visit their tiles head by head
     if constexprs["HEADS_OUTER"]:
         stash = torch.empty((grid[0], constexprs["NUM_SLOTS"], 2, cfg.block_n, q.shape[3]),
@@ -246,6 +252,7 @@ def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor,
         _row_descriptor(stats[1], cfg.block_m),
         _accumulator_descriptor(dq_acc, cfg.block_m, q.shape[3], q.device), dk, dv,
         stats if dq_acc is None else dq_acc, stash, tickets, error_flag, stats_start, cu_q, cu_k,
+        prefix,
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2),
         hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, *window, per_head,
         total_items, scale * LOG2E, scale, max_spin, **constexprs)

@@ -23,10 +23,38 @@ from ..tiles import diagonal_origin, sequence_bounds
 
 
 @gluon.jit
-def work_head(work, items_per_head, HKV):
-    """(batch or sequence, KV head, item) of a work item, heads major."""
-    head = work // items_per_head
-    return head // HKV, head % HKV, work % items_per_head
+def work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED: gl.constexpr):
+    """The work indices to deal: ``total_items`` (every batch entry or sequence counted with
+    ``items_per_head`` items per KV head), or, UNPADDED, the real items of packed sequences
+    (``deal.py``)."""
+    if UNPADDED:
+        result = gl.load(PREFIX + total_items // (items_per_head * HKV)) * HKV
+    else:
+        result = total_items
+    return result
+
+
+@gluon.jit
+def work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED: gl.constexpr):
+    """(batch or sequence, KV head, item) of a work index, heads major: every entry with
+    ``items_per_head`` items per KV head, or, UNPADDED, sequence b with PREFIX[b + 1] - PREFIX[b]
+    (the last b with PREFIX[b] * HKV <= work, by binary search; ``deal.py``)."""
+    if UNPADDED:
+        lo = 0 * work
+        hi = total_items // (items_per_head * HKV) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            below = gl.load(PREFIX + mid) * HKV <= work
+            lo = gl.where(below, mid, lo)
+            hi = gl.where(below, hi, mid - 1)
+        first = gl.load(PREFIX + lo)
+        count = gl.load(PREFIX + lo + 1) - first
+        local = work - first * HKV
+        result = (lo, local // count, local % count)
+    else:
+        head = work // items_per_head
+        result = (head // HKV, head % HKV, work % items_per_head)
+    return result
 
 
 @gluon.jit

@@ -1,0 +1,60 @@
+"""How the Hopper backward deals the work items of packed sequences to its programs.
+
+Program p runs work indices p, p + P, ... in order. The padded deal (``walk.work_head``, also the
+dense one) counts every sequence's items as if it were the longest, so index w is item
+w % per_head of (sequence, KV head) w // per_head, and the items a shorter sequence lacks are
+drawn and skipped: the programs then start a (sequence, KV head)'s items at different times, and
+under ``shift`` they wait for each other's dQ turns (``dash_inductor/packed_schedule.py``).
+
+The unpadded deal lists the real items only, sequences major and each (sequence, KV head)'s
+items together. ``PREFIX[b]`` counts the items per KV head of the sequences before b; one
+program builds it on the device from the offsets (the host reads none), and each partition of
+the kernel finds a work index's sequence by binary search (``walk.packed_work_head``). A
+(sequence, KV head) still holds at most P items (``fit_schedule`` sizes P for the longest), all
+within P consecutive work indices, so each ordered wait is for an item that a program reaches
+by finishing items of lower indices only: the argument of ``ops/schedules.py`` holds as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import catalog
+from .. import schedules as sch
+from ..tiles import diagonal_origin, sequence_bounds
+
+
+@triton.jit
+def _item_prefix_kernel(CU_Q, CU_K, PREFIX, num_seqs, total_q, total_k, max_q, max_k,
+                        BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, CAUSAL: tl.constexpr,
+                        SCHEDULE: tl.constexpr, BLOCK: tl.constexpr):
+    """PREFIX[0] = 0, PREFIX[b + 1] = the items per KV head of sequences 0..b (as the walk
+    counts them: ``walk.sequence_tiles`` and ``walk.slot_tile``)."""
+    tl.store(PREFIX, 0)
+    carry = 0
+    for start in range(0, num_seqs, BLOCK):
+        index = start + tl.arange(0, BLOCK)
+        inside = index < num_seqs
+        seq = tl.minimum(index, num_seqs - 1)
+        _, seq_l, _, seq_s = sequence_bounds(CU_Q, CU_K, seq, total_q, total_k, max_q, max_k)
+        _, k_lo = diagonal_origin(seq_l, seq_s, ALIGNED)
+        tiles_kv = tl.cdiv(k_lo + seq_s, BLOCK_N)
+        some = inside & (seq_l > 0) & (seq_s > 0)
+        items = tl.where(some, sch.items_in_head(tiles_kv, CAUSAL, SCHEDULE), 0)
+        tl.store(PREFIX + 1 + index, carry + tl.cumsum(items, 0), mask=inside)
+        carry += tl.sum(items, 0)
+
+
+def item_prefix(cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, total_q: int, total_k: int,
+                max_q: int, max_k: int, *, block_n: int, aligned: bool, causal: bool,
+                schedule: catalog.Schedule) -> torch.Tensor:
+    """``PREFIX`` (int32, one more than the sequences) of the unpadded deal, in one launch."""
+    num_seqs = cu_seq_q.numel() - 1
+    prefix = torch.empty(num_seqs + 1, device=cu_seq_q.device, dtype=torch.int32)
+    block = min(max(triton.next_power_of_2(num_seqs), 16), 1024)
+    _item_prefix_kernel[(1,)](cu_seq_q, cu_seq_k, prefix, num_seqs, total_q, total_k, max_q,
+                              max_k, BLOCK_N=block_n, ALIGNED=aligned, CAUSAL=causal,
+                              SCHEDULE=schedule.id, BLOCK=block)
+    return prefix

@@ -1,0 +1,78 @@
+"""The Hopper backward's unpadded deal of packed work items (``ops/hopper/deal.py``), on the CPU:
+the item counts its one-program kernel builds (Triton interpreter) are the schedule catalog's for
+each sequence's tiles, so the kernel deals exactly the items of the packed model's unpadded deal
+(``packed_schedule.packed_plans(pad=False)``; the kernel itself is checked on a GPU, tests/gpu)."""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dash_inductor import schedule
+from dash_inductor.ops import catalog
+from dash_inductor.ops.hopper.deal import item_prefix
+from dash_inductor.packed_schedule import packed_plans
+
+BLOCK_N = 16
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def _tiles_kv(len_q: int, len_k: int, aligned: bool) -> int:
+    """KV tiles of a sequence: keys shifted right by L - S when aligned (bottom-right)."""
+    if not (len_q and len_k):
+        return 0
+    k_lo = max(len_q - len_k, 0) if aligned else 0
+    return -(-(k_lo + len_k) // BLOCK_N)
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(0, 90), st.integers(0, 90)), min_size=1,
+                        max_size=40),
+       name=st.sampled_from(catalog.NAMES), mask=st.sampled_from(["none", "causal", "window"]))
+def test_prefix_counts_each_sequences_items(lengths, name, mask):
+    causal, aligned = mask == "causal", mask != "none"
+    lens_q, lens_k = [q for q, _ in lengths], [k for _, k in lengths]
+    prefix = item_prefix(_offsets(lens_q), _offsets(lens_k), sum(lens_q), sum(lens_k),
+                         max(lens_q), max(lens_k), block_n=BLOCK_N, aligned=aligned,
+                         causal=causal, schedule=catalog.get(name))
+    items = [catalog.items_per_head(n, causal, name) if n else 0
+             for n in (_tiles_kv(q, k, aligned) for q, k in lengths)]
+    assert prefix.tolist() == [0, *itertools.accumulate(items)]
+
+
+def test_prefix_over_more_sequences_than_one_block():
+    """Past 1024 sequences the kernel carries its sum from block to block."""
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(0, 70, (2500,), generator=gen).tolist()
+    prefix = item_prefix(_offsets(lens), _offsets(lens), sum(lens), sum(lens), max(lens),
+                         max(lens), block_n=BLOCK_N, aligned=True, causal=True,
+                         schedule=catalog.get("shift"))
+    items = [catalog.items_per_head(-(-n // BLOCK_N), True, "shift") if n else 0 for n in lens]
+    assert prefix.tolist() == [0, *itertools.accumulate(items)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_prefix_deals_the_models_unpadded_items(causal):
+    """Work index w of the kernel's unpadded deal, decoded from the prefix as the kernel does
+    (``walk.work_head``: the last sequence b with prefix[b] * heads <= w), gives every program
+    the steps of the model's unpadded deal."""
+    lens, heads, programs = [80, 0, 33, 16, 1, 47], 3, 7
+    prefix = item_prefix(_offsets(lens), _offsets(lens), sum(lens), sum(lens), max(lens),
+                         max(lens), block_n=BLOCK_N, aligned=causal, causal=causal,
+                         schedule=catalog.get("shift")).tolist()
+    tiles = [-(-n // BLOCK_N) for n in lens]
+    plans: list[list[schedule.Step]] = [[] for _ in range(programs)]
+    for work in range(prefix[-1] * heads):
+        b = max(i for i in range(len(lens)) if prefix[i] * heads <= work)
+        count = prefix[b + 1] - prefix[b]
+        head, item = divmod(work - prefix[b] * heads, count)
+        steps = schedule.item_steps(item, tiles[b], tiles[b], causal, "shift")
+        plans[work % programs] += [dataclasses.replace(s, head=b * heads + head) for s in steps]
+    assert plans == packed_plans("shift", tiles=tiles, n_heads=heads, programs=programs,
+                                 causal=causal, pad=False)
