@@ -15,8 +15,8 @@ from typing import Iterator
 from dash_inductor.ops import catalog
 
 #: Backward schedule. "auto" lets the launcher pick the fastest measured deterministic one:
-#: on the Hopper kernels ``ops.hopper.config.auto_on_hopper`` ("shift" causal, "descending"
-#: unmasked), elsewhere ``ops.configs.auto_schedule`` ("recompute"); the others are listed in
+#: on the Hopper kernels ``ops.hopper.config.auto_on_hopper`` ("shift" causal or packed,
+#: "descending" otherwise), elsewhere ``ops.configs.auto_schedule`` ("recompute"); the others are listed in
 #: ``SCHEDULES``.
 schedule: str = catalog.AUTO
 
