@@ -28,6 +28,13 @@ BLOCK = 64
 
 
 @triton.jit
+def row_delta(o, do):
+    """delta = rowsum(dO * O) in fp32 of [rows, head dim] tiles (the packed Hopper preprocess,
+    ``hopper/packed_prep.py``, shares it, so that both paths' deltas are summed alike)."""
+    return tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+
+
+@triton.jit
 def _preprocess_kernel(O, DO, LSE, STATS, DQACC, TICKETS,
                        stride_ob, stride_oh, stride_om, stride_oe,
                        stride_db, stride_dh, stride_dm, stride_de,
@@ -54,7 +61,7 @@ def _preprocess_kernel(O, DO, LSE, STATS, DQACC, TICKETS,
                 + rows[:, None] * stride_om + cols[None, :] * stride_oe, mask=inside, other=0.0)
     do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
                  + rows[:, None] * stride_dm + cols[None, :] * stride_de, mask=inside, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    delta = row_delta(o, do)
     stats = STATS + pid_bh.to(tl.int64) * row_stride + rows
     if WITH_LSE2:
         lse = tl.load(LSE + pid_bh.to(tl.int64) * L + rows, mask=rows < L, other=float("-inf"))

@@ -1,6 +1,6 @@
 """The Hopper backward's unpadded deal of packed work items (``ops/hopper/deal.py``), on the CPU:
-the item counts its one-program kernel builds (Triton interpreter) are the schedule catalog's for
-each sequence's tiles, so the kernel deals exactly the items of the packed model's unpadded deal
+the item counts that the packed preprocess builds (``packed_prep.py``, Triton interpreter) are the
+schedule catalog's for each sequence's tiles, so the kernel deals exactly the items of the packed model's unpadded deal
 (``packed_schedule.packed_plans(pad=False)``; the kernel itself is checked on a GPU, tests/gpu)."""
 
 import dataclasses
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dash_inductor import schedule
 from dash_inductor.ops import catalog
-from dash_inductor.ops.hopper.deal import item_prefix
+from dash_inductor.ops.hopper.packed_prep import packed_prepare
 from dash_inductor.packed_schedule import packed_plans
 
 BLOCK_N = 16
@@ -21,6 +21,16 @@ BLOCK_N = 16
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def item_prefix(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q: int,
+                max_k: int, **options) -> torch.Tensor:
+    """The deal's prefix as the packed preprocess writes it (one head of width 16)."""
+    out = torch.randn(total_q, 1, 16)
+    lse = torch.randn(1, total_q)
+    _, _, prefix = packed_prepare(out, out, lse, cu_q, cu_k, total_k, max_q, max_k,
+                                  with_prefix=True, **options)
+    return prefix
 
 
 def _tiles_kv(len_q: int, len_k: int, aligned: bool) -> int:

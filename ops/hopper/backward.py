@@ -26,7 +26,7 @@ boundary tile in shared memory before any MMA reads it and mask P and delta to t
 the writer adds only the sequence's rows, so no value of a neighbour (not even a NaN) reaches a
 sequence's gradients, and its bits do not depend on what is packed beside it. The row stats of
 packed sequences come from a layout where every TMA box starts 16-byte aligned
-(``launch.packed_row_stats``).
+(``packed_prep.py``).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                    STATS_START, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+                    CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                     row_stride, win_left, win_right, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
@@ -105,7 +105,7 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         batch = walk.tma_batch(b, VARLEN)
-        stats_shift = walk.stats_shift(b, q_start, q_lo, STATS_START, VARLEN)
+        stats_shift = walk.stats_shift(b, q_start, q_lo, VARLEN)
         for visit in range(VISITS):
             slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, HEADS_OUTER)
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
@@ -336,7 +336,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
 
 @gluon.jit
 def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, DQACC,
-                    STASH, TICKETS, ERR, STATS_START, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh,
+                    STASH, TICKETS, ERR, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh,
                     stride_dkn, stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv,
                     max_q, max_k,
                     row_stride, win_left, win_right, items_per_head, total_items, qk_scale,
@@ -354,10 +354,11 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     Dense: rank-4 descriptors over (B, heads, rows, D) in the tensors' own strides, row stats and
     DQACC over (B * Hq, row_stride). VARLEN: descriptors over (1, heads, T, D) views of the packed
     tensors, DQACC and TICKETS over (Hq, row_stride) by packed row, the stats over
-    (Hq, row_stride) with sequence b's rows from STATS_START[b]; batch entry b is sequence b of
-    the offsets CU_Q, CU_K (L, S: totals); UNPADDED: the items are dealt by PREFIX
-    (``deal.py``), else every sequence has ``items_per_head``. HEADS_OUTER: STASH holds each program's fp32 dK and
-    dV of its items' KV tiles between their query heads, (programs, NUM_SLOTS, 2, BLOCK_N, D).
+    (Hq, row_stride) with sequence b's rows from ``packed_prep.stats_start``; batch entry b is
+    sequence b of the offsets CU_Q, CU_K (L, S: totals); UNPADDED: the items are dealt by
+    PREFIX (``deal.py``), else every sequence has ``items_per_head``. HEADS_OUTER: STASH holds
+    each program's fp32 dK and dV of its items' KV tiles between their query heads,
+    (programs, NUM_SLOTS, 2, BLOCK_N, D).
     """
     dtype: gl.constexpr = q_desc.dtype
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -416,7 +417,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                               HEADS_OUTER, VISITS, UNPADDED, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                           STATS_START, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+                           CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                            row_stride, win_left, win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, HEADS_OUTER,
                            VISITS, UNPADDED)),

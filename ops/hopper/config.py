@@ -188,6 +188,12 @@ def heads_outer(cfg: HopperBackwardConfig, slots: int, group: int, window: bool,
     return cfg.heads_outer and slots > 1 and group > 1 and not (window or varlen)
 
 
+def unpadded_deal(cfg: HopperBackwardConfig, schedule: str, varlen: bool) -> bool:
+    """Whether packed work items are dealt without padding items (``deal.py``): under the
+    schedules whose items of a head must run at once (``shift``), where it measured faster."""
+    return cfg.unpadded_deal and varlen and get_schedule(schedule).coresident_head
+
+
 def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
                         cfg: HopperBackwardConfig, window: bool = False,
                         varlen: bool = False) -> dict[str, object]:
@@ -201,6 +207,6 @@ def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
                 DK_IN_FLIGHT=cfg.dk_in_flight, DQ_TMA=cfg.dq_tma,
                 NAMED_HANDOFF=cfg.named_handoff,
                 HEADS_OUTER=heads_outer(cfg, sched.slots(causal), group, window, varlen),
-                UNPADDED=cfg.unpadded_deal and varlen and sched.coresident_head,
+                UNPADDED=unpadded_deal(cfg, schedule, varlen),
                 LOAD_REGS=cfg.load_regs,
                 WRITER_REGS=cfg.writer_regs, num_warps=cfg.num_warps)

@@ -8,8 +8,9 @@ under ``shift`` they wait for each other's dQ turns (``dash_inductor/packed_sche
 
 The unpadded deal lists the real items only, sequences major and each (sequence, KV head)'s
 items together. ``PREFIX[b]`` counts the items per KV head of the sequences before b; one
-program builds it on the device from the offsets (the host reads none), and each partition of
-the kernel finds a work index's sequence by binary search (``walk.packed_work_head``). A
+program of the packed preprocess (``packed_prep.py``) builds it on the device from the offsets
+(the host reads none), and each partition of the kernel finds a work index's sequence by binary
+search (``walk.work_head``). A
 (sequence, KV head) still holds at most P items (``fit_schedule`` sizes P for the longest), all
 within P consecutive work indices, so each ordered wait is for an item that a program reaches
 by finishing items of lower indices only: the argument of ``ops/schedules.py`` holds as before.
@@ -17,21 +18,20 @@ by finishing items of lower indices only: the argument of ``ops/schedules.py`` h
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from .. import catalog
 from .. import schedules as sch
 from ..tiles import diagonal_origin, sequence_bounds
 
 
 @triton.jit
-def _item_prefix_kernel(CU_Q, CU_K, PREFIX, num_seqs, total_q, total_k, max_q, max_k,
-                        BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, CAUSAL: tl.constexpr,
-                        SCHEDULE: tl.constexpr, BLOCK: tl.constexpr):
+def write_item_prefix(CU_Q, CU_K, PREFIX, num_seqs, total_q, total_k, max_q, max_k,
+                      BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, CAUSAL: tl.constexpr,
+                      SCHEDULE: tl.constexpr, BLOCK: tl.constexpr):
     """PREFIX[0] = 0, PREFIX[b + 1] = the items per KV head of sequences 0..b (as the walk
-    counts them: ``walk.sequence_tiles`` and ``walk.slot_tile``)."""
+    counts them: ``walk.sequence_tiles`` and ``walk.slot_tile``), by one program, BLOCK
+    sequences at a time (the packed preprocess, ``packed_prep.py``, runs it)."""
     tl.store(PREFIX, 0)
     carry = 0
     for start in range(0, num_seqs, BLOCK):
@@ -45,16 +45,3 @@ def _item_prefix_kernel(CU_Q, CU_K, PREFIX, num_seqs, total_q, total_k, max_q, m
         items = tl.where(some, sch.items_in_head(tiles_kv, CAUSAL, SCHEDULE), 0)
         tl.store(PREFIX + 1 + index, carry + tl.cumsum(items, 0), mask=inside)
         carry += tl.sum(items, 0)
-
-
-def item_prefix(cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, total_q: int, total_k: int,
-                max_q: int, max_k: int, *, block_n: int, aligned: bool, causal: bool,
-                schedule: catalog.Schedule) -> torch.Tensor:
-    """``PREFIX`` (int32, one more than the sequences) of the unpadded deal, in one launch."""
-    num_seqs = cu_seq_q.numel() - 1
-    prefix = torch.empty(num_seqs + 1, device=cu_seq_q.device, dtype=torch.int32)
-    block = min(max(triton.next_power_of_2(num_seqs), 16), 1024)
-    _item_prefix_kernel[(1,)](cu_seq_q, cu_seq_k, prefix, num_seqs, total_q, total_k, max_q,
-                              max_k, BLOCK_N=block_n, ALIGNED=aligned, CAUSAL=causal,
-                              SCHEDULE=schedule.id, BLOCK=block)
-    return prefix

@@ -29,8 +29,9 @@ from ..preprocess import compute_delta, prepare, zeroed_tickets
 from ..tiles import LOG2E
 from .backward import backward_kernel
 from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
-                     backward_constexprs, forward_constexprs, ordered_programs)
-from .deal import item_prefix
+                     backward_constexprs, forward_constexprs, ordered_programs,
+                     unpadded_deal)
+from .packed_prep import packed_prepare
 from .forward import forward_kernel
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -115,41 +116,6 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return _tma_descriptor(t, shape, strides, (1, 1, rows, shape[3]))
 
 
-def _lse2(lse: torch.Tensor, heads: int, seq: int) -> torch.Tensor:
-    """The logsumexp as (heads, seq) in the exp2 domain, +inf where a row saw no key (-inf), so
-    that P = exp2(S - lse2) is 0 there (``tiles.exp2_logsumexp``, on the host)."""
-    lse2 = lse.reshape(heads, seq) * LOG2E
-    return lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
-
-
-def packed_row_stats(lse: torch.Tensor, delta: torch.Tensor, cu_seq_q: torch.Tensor,
-                     cu_seq_k: torch.Tensor, aligned: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(stats (2, Hq * row_stride), each sequence's first row in them, row_stride) of packed
-    sequences: the exp2-domain logsumexp and delta, as the dense path's preprocess writes them
-    (``ops/preprocess.py``; padding +inf and 0), laid out so that every TMA box of the row stats
-    starts 16-byte aligned: the kernel's boxes start at ``q_lo`` rows before a sequence (its
-    diagonal shift, ``tiles.diagonal_origin``) plus multiples of 64, so sequence i's rows start at
-    ``start[i]`` = q_lo (mod 4), each in its own gap-padded segment. Built on the device: the
-    host reads no offset."""
-    heads, total = delta.shape
-    num_seqs = cu_seq_q.numel() - 1
-    lens_q = (cu_seq_q[1:] - cu_seq_q[:-1]).long()
-    q_lo = (cu_seq_k[1:] - cu_seq_k[:-1] - lens_q).clamp(min=0) if aligned else 0 * lens_q
-    segment = (lens_q + 3) // 4 * 4 + 4  # the sequence, and room to shift it by q_lo % 4
-    start = torch.cumsum(segment, 0) - segment + q_lo % 4
-    row_stride = triton.cdiv(total + 7 * num_seqs, 4) * 4
-    rows = torch.arange(total, device=delta.device)
-    seq = torch.searchsorted(cu_seq_q[1:].long(), rows, right=True).clamp(max=max(num_seqs - 1, 0))
-    # Broken offsets (reported by the device check) must not index outside the buffer meanwhile.
-    where = (start[seq] + rows - cu_seq_q[:-1].long()[seq]).clamp(0, row_stride - 1)
-    stats = torch.empty((2, heads, row_stride), device=delta.device, dtype=torch.float32)
-    stats[0].fill_(float("inf"))
-    stats[1].zero_()
-    stats[0].index_copy_(1, where, _lse2(lse, heads, total))
-    stats[1].index_copy_(1, where, delta)
-    return stats.view(2, heads * row_stride), start.to(torch.int32), row_stride
-
-
 def _accumulator_descriptor(dq_acc: torch.Tensor | None, rows: int, head_d: int,
                             device: torch.device) -> TensorDescriptor:
     """A TMA descriptor over the fp32 dQ accumulator as rows of ``head_d``, for the writer's
@@ -220,15 +186,15 @@ def _geometry(schedule: catalog.Schedule, cfg: HopperBackwardConfig, batch: int,
         schedule.name, is_causal, group, even_s, cfg, windowed, varlen)
 
 
-def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor,
-            dq_acc: torch.Tensor | None, tickets: torch.Tensor, error_flag: torch.Tensor,
-            packed: tuple | None, sizes: tuple[int, ...], schedule: catalog.Schedule,
+def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor | None,
+            tickets: torch.Tensor, error_flag: torch.Tensor, packed: tuple | None,
+            prefix: torch.Tensor | None, sizes: tuple[int, ...], schedule: catalog.Schedule,
             cfg: HopperBackwardConfig, *, is_causal: bool, window: tuple[int, int], scale: float,
             max_spin: int, even_s: bool) -> tuple[int]:
     """One launch of the backward kernel over (B, H, N, D) ``views`` = (q, k, v, grad_out, dk,
     dv); ``sizes`` = (batch entries, L, S, Q tiles, KV tiles, rows per head of the stats and the
     dQ accumulator); ``dq_acc`` None when dQ is computed apart; ``tickets`` and ``error_flag``
-    zeros; return the grid."""
+    zeros; ``prefix`` the unpadded deal's (``packed_prep.py``); return the grid."""
     q, k, v, grad_out, dk, dv = views
     batch, seq_q, seq_k, n_q, n_kv, row_stride = sizes
     hq, hkv = q.shape[1], k.shape[1]
@@ -236,11 +202,6 @@ def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor,
         schedule, cfg, batch, hkv, n_kv, is_causal, hq // hkv, even_s, window != (-1, -1),
         packed is not None, _sm_count(q.device.index or 0))
     cu_q, cu_k, max_q, max_k = packed or (tickets, tickets, 0, 0)
-    prefix = tickets  # read only when packed items are dealt unpadded
-    if constexprs["UNPADDED"]:
-        prefix = item_prefix(cu_q, cu_k, seq_q, seq_k, max_q, max_k, block_n=cfg.block_n,
-                             aligned=is_causal or window != (-1, -1), causal=is_causal,
-                             schedule=schedule)
     stash = stats  # fp32, never touched unless the items visit their tiles head by head
     if constexprs["HEADS_OUTER"]:
         stash = torch.empty((grid[0], constexprs["NUM_SLOTS"], 2, cfg.block_n, q.shape[3]),
@@ -251,8 +212,8 @@ def _launch(views: tuple, stats: torch.Tensor, stats_start: torch.Tensor,
         _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
         _row_descriptor(stats[1], cfg.block_m),
         _accumulator_descriptor(dq_acc, cfg.block_m, q.shape[3], q.device), dk, dv,
-        stats if dq_acc is None else dq_acc, stash, tickets, error_flag, stats_start, cu_q, cu_k,
-        prefix,
+        stats if dq_acc is None else dq_acc, stash, tickets, error_flag, cu_q, cu_k,
+        tickets if prefix is None else prefix,
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2),
         hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, *window, per_head,
         total_items, scale * LOG2E, scale, max_spin, **constexprs)
@@ -297,7 +258,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         out, grad_out, lse, row_stride=rows, acc_rows=rows,
         acc_dim=0 if schedule.separate_dq else head_d, ticket_rows=cfg.block_m, with_lse2=True)
     error_flag = flags[:1]
-    grid = _launch((q, k, v, grad_out, dk, dv), stats, tickets, dq_acc, tickets, error_flag, None,
+    grid = _launch((q, k, v, grad_out, dk, dv), stats, dq_acc, tickets, error_flag, None, None,
                    (batch, seq_q, seq_k, n_q, n_kv, rows), schedule, cfg, is_causal=is_causal,
                    window=window, scale=scale, max_spin=max_spin,
                    even_s=seq_k % cfg.block_n == 0)
@@ -343,24 +304,27 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if not (num_seqs and n_q and n_kv and tq and tk):  # no sequence has both queries and keys
         dq.zero_()
         return plan
-    heads_first = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, grad_out, out))
-    q4, k4, v4, do4, out4 = (tma_readable(t) for t in heads_first)
-    delta = compute_delta(out4, do4)
-    stats, stats_start, row_stride = packed_row_stats(lse, delta, cu_seq_q, cu_seq_k, aligned)
+    heads_first = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, grad_out))
+    q4, k4, v4, do4 = (tma_readable(t) for t in heads_first)
+    stats, row_stride, prefix = packed_prepare(
+        out, grad_out, lse, cu_seq_q, cu_seq_k, tk, max_q, max_k, aligned=aligned,
+        causal=is_causal, schedule=schedule, block_n=cfg.block_n,
+        with_prefix=unpadded_deal(cfg, schedule.name, True))
     dq_acc = None
     if not schedule.separate_dq:
         dq_acc = torch.zeros((hq, row_stride, head_d), device=q.device, dtype=torch.float32)
     tickets, flags = zeroed_tickets(hq * row_stride, q.device)
     error_flag = flags[:1]
     dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
-    grid = _launch((q4, k4, v4, do4, dk4, dv4), stats, stats_start, dq_acc, tickets, error_flag,
-                   packed, (num_seqs, tq, tk, n_q, n_kv, row_stride), schedule, cfg,
+    grid = _launch((q4, k4, v4, do4, dk4, dv4), stats, dq_acc, tickets, error_flag, packed,
+                   prefix, (num_seqs, tq, tk, n_q, n_kv, row_stride), schedule, cfg,
                    is_causal=is_causal, window=window, scale=scale, max_spin=max_spin,
                    even_s=False)
     if schedule.separate_dq:
         virtual = (t.transpose(0, 1).unsqueeze(0).expand(num_seqs, -1, -1, -1)
                    for t in (q, k, v, grad_out, dq))
         vq, vk, vv, vdo, vdq = virtual
+        delta = compute_delta(*(t.transpose(0, 1).unsqueeze(0) for t in (out, grad_out)))
         launch_dq_pass(vq, vk, vv, vdo, lse, delta, None, vdq, is_causal=is_causal, scale=scale,
                        cfg=portable_backward_config(head_d, q.dtype, is_causal, 9), window=window,
                        packed=packed)

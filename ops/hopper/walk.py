@@ -20,6 +20,7 @@ from triton.experimental.gluon import language as gl
 
 from .. import schedules as sch
 from ..tiles import diagonal_origin, sequence_bounds
+from .packed_prep import stats_start
 
 
 @gluon.jit
@@ -187,12 +188,13 @@ def head_rows(b, hq, HQ, q_start, row_stride, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def stats_shift(b, q_start, q_lo, STATS_START, VARLEN: gl.constexpr):
+def stats_shift(b, q_start, q_lo, VARLEN: gl.constexpr):
     """What to add to ``head_rows``' row for the row stats' TMA box. A 1-D box must start 16-byte
     aligned and a packed sequence starts anywhere, so packed stats are laid out with each sequence
-    at ``STATS_START[b]``, congruent to its q_lo modulo 4 (``launch.packed_row_stats``)."""
+    at ``packed_prep.stats_start``, congruent to its q_lo modulo 4."""
     if VARLEN:
-        shift = gl.load(STATS_START + b) - q_lo - q_start
+        q0 = q_start + q_lo
+        shift = stats_start(q0, b, q_lo) - q0
     else:
         shift = 0 * b
     return shift

@@ -1,0 +1,106 @@
+"""The packed Hopper backward's preprocess: one launch that readies what the kernel reads besides
+the tensors, built on the device from the offsets (the host reads none).
+
+- The row stats: per query head, the exp2-domain logsumexp and delta = rowsum(dO * O) (the dense
+  preprocess's values, ``ops/preprocess.py``), in a layout where every TMA box of them starts
+  16-byte aligned. The kernel's boxes of sequence b start ``q_lo`` rows before it (its diagonal
+  shift, ``tiles.diagonal_origin``) plus multiples of 64, and a 1-D box must start 16-byte
+  aligned, so sequence b's rows start at :func:`stats_start`, congruent to q_lo modulo 4, in a
+  segment of its own; rows between segments hold +inf and 0 (P = 0 there).
+- The deal's prefix of work items per sequence, where ``shift`` deals them unpadded
+  (``deal.py``).
+
+One launch instead of a dozen small torch operations and three launches: the packed backward's
+host time, which a training step waits for when the GPU work is short, was 1.3-1.9 ms a call on
+an H100 host (bench/results/2026-11-24-h100-e240a6b).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import catalog
+from ..configs import head_dim_bucket
+from ..preprocess import BLOCK, row_delta
+from ..tiles import diagonal_origin, exp2_logsumexp, sequence_bounds
+from .deal import write_item_prefix
+
+
+@triton.jit
+def stats_start(q0, seq, q_lo):
+    """The first stats row of packed sequence ``seq`` (first packed row ``q0``): from q0 + 4 seq,
+    up to 3 rows later, congruent to ``q_lo`` modulo 4. Segments never overlap: the next one
+    starts at or after q0 + length + 4 (seq + 1)."""
+    base = q0 + 4 * seq
+    return base + ((q_lo - base) & 3)
+
+
+def stats_rows(total_q: int, num_seqs: int) -> int:
+    """Rows of the stats per head: every segment's room, a multiple of 4."""
+    return triton.cdiv(total_q + 4 * num_seqs, 4) * 4
+
+
+@triton.jit
+def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX,
+                        stride_ot, stride_oh, stride_oe, stride_dt, stride_dh, stride_de,
+                        num_seqs, total_q, total_k, max_q, max_k, row_stride, plane,
+                        search_steps, EV: tl.constexpr, HEAD_EV: tl.constexpr, BLOCK_M: tl.constexpr,
+                        ALIGNED: tl.constexpr, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, WITH_PREFIX: tl.constexpr,
+                        PREFIX_BLOCK: tl.constexpr):
+    """Program (r, h): stats rows [r * BLOCK_M, (r + 1) * BLOCK_M) of query head h, each the row
+    of the sequence whose segment holds it (the last sequence whose segment base is not after
+    it, by binary search), or padding. Program (0, 0) also writes PREFIX (WITH_PREFIX)."""
+    h = tl.program_id(1)
+    dest = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    lo = tl.zeros([BLOCK_M], tl.int32)
+    hi = tl.zeros([BLOCK_M], tl.int32) + num_seqs - 1
+    for _ in range(0, search_steps):  # bisection: enough steps to narrow num_seqs to one
+        mid = (lo + hi + 1) // 2
+        below = tl.load(CU_Q + mid).to(tl.int32) + 4 * mid <= dest
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+    q0, seq_l, k0, seq_s = sequence_bounds(CU_Q, CU_K, lo, total_q, total_k, max_q, max_k)
+    q_lo, _ = diagonal_origin(seq_l, seq_s, ALIGNED)
+    offset = dest - stats_start(q0, lo, q_lo)
+    real = (offset >= 0) & (offset < seq_l)
+    rows = tl.where(real, q0 + offset, 0)
+    cols = tl.arange(0, HEAD_EV)
+    inside = real[:, None] & (cols[None, :] < EV)
+    o = tl.load(O + rows[:, None].to(tl.int64) * stride_ot + h * stride_oh
+                + cols[None, :] * stride_oe, mask=inside, other=0.0)
+    do = tl.load(DO + rows[:, None].to(tl.int64) * stride_dt + h * stride_dh
+                 + cols[None, :] * stride_de, mask=inside, other=0.0)
+    lse = tl.load(LSE + h.to(tl.int64) * total_q + rows, mask=real, other=float("-inf"))
+    stats = STATS + h.to(tl.int64) * row_stride + dest
+    tl.store(stats, exp2_logsumexp(lse), mask=dest < row_stride)
+    tl.store(stats + plane, row_delta(o, do), mask=dest < row_stride)
+    if WITH_PREFIX:
+        if (tl.program_id(0) == 0) & (h == 0):
+            write_item_prefix(CU_Q, CU_K, PREFIX, num_seqs, total_q, total_k, max_q, max_k,
+                              BLOCK_N, ALIGNED, CAUSAL, SCHEDULE, PREFIX_BLOCK)
+
+
+def packed_prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
+                   cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, total_k: int, max_q: int,
+                   max_k: int, *,
+                   aligned: bool, causal: bool, schedule: catalog.Schedule, block_n: int,
+                   with_prefix: bool) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """(stats (2, Hq * row_stride), row_stride, the deal's prefix or None) for (Tq, Hq, Ev)
+    ``out`` and ``grad_out`` and the forward's (Hq, Tq) ``lse``; ``total_k`` packed keys."""
+    total_q, heads, ev = out.shape
+    num_seqs = cu_seq_q.numel() - 1
+    row_stride = stats_rows(total_q, num_seqs)
+    stats = torch.empty((2, heads * row_stride), device=out.device, dtype=torch.float32)
+    prefix = (torch.empty(num_seqs + 1, device=out.device, dtype=torch.int32)
+              if with_prefix else None)
+    _packed_prep_kernel[(triton.cdiv(row_stride, BLOCK), heads)](
+        out, grad_out, lse.contiguous(), cu_seq_q, cu_seq_k, stats,
+        stats if prefix is None else prefix, *out.stride(), *grad_out.stride(), num_seqs,
+        total_q, total_k, max_q, max_k, row_stride, heads * row_stride, num_seqs.bit_length(),
+        EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=BLOCK, ALIGNED=aligned, CAUSAL=causal,
+        SCHEDULE=schedule.id, BLOCK_N=block_n, WITH_PREFIX=with_prefix,
+        PREFIX_BLOCK=min(max(triton.next_power_of_2(num_seqs), 16), 1024))
+    return stats, row_stride, prefix

@@ -1,0 +1,55 @@
+"""The packed Hopper backward's preprocess (``ops/hopper/packed_prep.py``), on the CPU (Triton
+interpreter): every sequence's row stats land where the kernel's TMA boxes read them, each box
+starts 16-byte aligned, segments never overlap, the rows between them hold +inf and 0, and the
+values are the dense preprocess's (the kernel itself is checked on a GPU, tests/gpu)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from dash_inductor.ops import catalog
+from dash_inductor.ops.hopper.packed_prep import packed_prepare
+from dash_inductor.ops.preprocess import compute_delta
+from dash_inductor.ops.tiles import LOG2E
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_land_where_the_aligned_boxes_read_them(seed, aligned, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    lens_q = torch.randint(0, 150, (7,), generator=gen).tolist()
+    lens_k = torch.randint(0, 150, (7,), generator=gen).tolist()
+    heads, ev, total = 3, 20, sum(lens_q)  # a head dim below its power-of-two bucket
+    out, grad_out = (torch.randn(total, heads, ev, generator=gen).to(dtype) for _ in range(2))
+    lse = torch.randn(heads, total, generator=gen)
+    lse[0, :5] = -math.inf  # rows that saw no key: +inf in the stats, as the dense layout
+    stats, row_stride, prefix = packed_prepare(
+        out, grad_out, lse, _offsets(lens_q), _offsets(lens_k), sum(lens_k), max(lens_q),
+        max(lens_k), aligned=aligned, causal=aligned, schedule=catalog.get("descending"),
+        block_n=16, with_prefix=False)
+    assert prefix is None and row_stride % 4 == 0
+    stats = stats.view(2, heads, row_stride)
+    delta = compute_delta(out.transpose(0, 1).unsqueeze(0), grad_out.transpose(0, 1).unsqueeze(0))
+    lse2 = lse * LOG2E
+    lse2[lse2 == -math.inf] = math.inf
+    padding = torch.ones(row_stride, dtype=torch.bool)
+    end_of_previous, q0 = 0, 0
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        q_lo = max(lk - lq, 0) if aligned else 0
+        first = q0 + 4 * i + ((q_lo - q0 - 4 * i) & 3)
+        assert (first - q_lo) % 4 == 0  # a box at row0 (a multiple of 64) - q_lo is aligned
+        assert first >= end_of_previous and first + lq <= row_stride
+        end_of_previous = first + lq
+        if lq:
+            assert torch.equal(stats[0, :, first:first + lq], lse2[:, q0:q0 + lq])
+            assert torch.equal(stats[1, :, first:first + lq], delta[:, q0:q0 + lq])
+            padding[first:first + lq] = False
+        q0 += lq
+    assert bool((stats[0, :, padding] == math.inf).all()) and bool((stats[1, :, padding] == 0).all())
