@@ -16,8 +16,8 @@ from dash_inductor.ops import catalog
 
 #: Backward schedule. "auto" lets the launcher pick the fastest measured deterministic one:
 #: on the Hopper kernels ``ops.hopper.config.auto_on_hopper`` ("shift" causal or packed,
-#: "descending" otherwise), elsewhere ``ops.configs.auto_schedule`` ("recompute"); the others are listed in
-#: ``SCHEDULES``.
+#: "descending" otherwise), elsewhere ``ops.configs.auto_schedule`` ("recompute"); the others
+#: are listed in ``SCHEDULES``.
 schedule: str = catalog.AUTO
 
 #: Kernel path on CUDA: "auto" (the launcher picks), "portable" (the ``tl`` kernels) or "hopper".

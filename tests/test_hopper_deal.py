@@ -1,7 +1,8 @@
 """The Hopper backward's unpadded deal of packed work items (``ops/hopper/deal.py``), on the CPU:
 the item counts that the packed preprocess builds (``packed_prep.py``, Triton interpreter) are the
-schedule catalog's for each sequence's tiles, so the kernel deals exactly the items of the packed model's unpadded deal
-(``packed_schedule.packed_plans(pad=False)``; the kernel itself is checked on a GPU, tests/gpu)."""
+schedule catalog's for each sequence's tiles, so the kernel deals exactly the items of the packed
+model's unpadded deal (``packed_schedule.packed_plans(pad=False)``; the kernel itself is checked
+on a GPU, tests/gpu)."""
 
 import dataclasses
 import itertools

@@ -25,8 +25,8 @@ def _take_partial(dq_ready, it, NAMED_HANDOFF: gl.constexpr, HANDOFF_THREADS: gl
 
 @gluon.jit
 def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, ERR,
-                        CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
-                        win_right, items_per_head, total_items, max_spin,
+                        CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride,
+                        win_left, win_right, items_per_head, total_items, max_spin,
                         GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                         NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
                         ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,

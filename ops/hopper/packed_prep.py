@@ -46,8 +46,8 @@ def stats_rows(total_q: int, num_seqs: int) -> int:
 def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX,
                         stride_ot, stride_oh, stride_oe, stride_dt, stride_dh, stride_de,
                         num_seqs, total_q, total_k, max_q, max_k, row_stride, plane,
-                        search_steps, EV: tl.constexpr, HEAD_EV: tl.constexpr, BLOCK_M: tl.constexpr,
-                        ALIGNED: tl.constexpr, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr,
+                        search_steps, EV: tl.constexpr, HEAD_EV: tl.constexpr,
+                        BLOCK_M: tl.constexpr, ALIGNED: tl.constexpr, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr,
                         BLOCK_N: tl.constexpr, WITH_PREFIX: tl.constexpr,
                         PREFIX_BLOCK: tl.constexpr):
     """Program (r, h): stats rows [r * BLOCK_M, (r + 1) * BLOCK_M) of query head h, each the row
@@ -85,9 +85,8 @@ def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX,
 
 def packed_prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
                    cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, total_k: int, max_q: int,
-                   max_k: int, *,
-                   aligned: bool, causal: bool, schedule: catalog.Schedule, block_n: int,
-                   with_prefix: bool) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+                   max_k: int, *, aligned: bool, causal: bool, schedule: catalog.Schedule,
+                   block_n: int, with_prefix: bool) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """(stats (2, Hq * row_stride), row_stride, the deal's prefix or None) for (Tq, Hq, Ev)
     ``out`` and ``grad_out`` and the forward's (Hq, Tq) ``lse``; ``total_k`` packed keys."""
     total_q, heads, ev = out.shape
