@@ -87,3 +87,16 @@ def test_the_prefix_deals_the_models_unpadded_items(causal):
         plans[work % programs] += [dataclasses.replace(s, head=b * heads + head) for s in steps]
     assert plans == packed_plans("shift", tiles=tiles, n_heads=heads, programs=programs,
                                  causal=causal, pad=False)
+
+
+def test_only_schedules_whose_items_run_at_once_deal_unpadded():
+    """The kernels deal packed items unpadded under ``shift`` alone (the schedules whose items of
+    a head wait on each other both ways), never dense problems."""
+    from dash_inductor.ops.hopper.config import HopperBackwardConfig, unpadded_deal
+
+    cfg = HopperBackwardConfig()
+    for name in catalog.NAMES:
+        assert unpadded_deal(cfg, name, True) == catalog.needs_coresident_head(name)
+        assert not unpadded_deal(cfg, name, False)
+    assert any(unpadded_deal(cfg, name, True) for name in catalog.NAMES)
+    assert not unpadded_deal(HopperBackwardConfig(unpadded_deal=False), "shift", True)
