@@ -1,6 +1,6 @@
 """The packed backward on its two CUDA paths, side by side: the Hopper kernel with each schedule
-and the portable ``recompute`` (what ``schedule="auto"`` picks for packed sequences, by this
-measurement).
+and the portable ``recompute``; by this measurement ``schedule="auto"`` runs Hopper ``shift`` for
+packed sequences (``ops/hopper/config.auto_on_hopper``).
 
     python bench/packed_paths.py [--head-dim 64] [--full]
 
