@@ -34,10 +34,11 @@ def auto_on_hopper(causal: bool, packed: bool = False) -> str:
     causal and for packed sequences, ``descending`` for unmasked dense ones, at every head dim
     and length.
 
-    Packed (dealt unpadded, ``deal.py``; H100, ``bench/packed_paths.py`` and
-    ``bench/results/2026-11-24-h100-*/deal_ab.log``): ``shift`` led every deterministic schedule
-    on documents of unequal length, causal (d128 2.84 ms against ``descending``'s 3.25 and
-    ``recompute``'s 3.13-3.19) and unmasked (4.56 against 4.91 and 5.36).
+    Packed (dealt unpadded, ``deal.py``; H100, ``bench/packed_paths.py``,
+    ``bench/results/2026-11-24-h100-e240a6b/``): ``shift`` led every deterministic schedule on
+    every packing, causal and unmasked, at both head dims; d128, three documents of unequal
+    length, causal: 2.77 ms against ``descending``'s 3.08 and the portable ``recompute``'s 3.01;
+    unmasked: 4.46 against 4.88 and 6.55.
 
     Causal: ``shift``, the fastest deterministic schedule at every causal point of the H100 and
     H200 tables (65be22d: 4k 431 TFLOP/s against the portable ``recompute``'s 344, GQA 4:1 409
@@ -76,7 +77,7 @@ class HopperBackwardConfig:
     padding items of the padded deal (``deal.py``) under the schedules whose items of a head
     must run at once (``shift``): on three documents of 7429, 3667 and 5288 tokens (H100, d128,
     causal) ``shift`` took 2.84-2.86 ms against 3.25, unmasked 4.56-4.62 against 5.34, with the
-    same bits; ``descending`` and ``atomic`` were 2-5% slower unpadded there, so they keep the
+    same bits; ``descending`` and ``atomic`` were 3-6% slower unpadded there, so they keep the
     padded deal. Three Q/dO stages and one dQ buffer measured faster than two
     and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an H100; with the TMA
     writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower causal in one run

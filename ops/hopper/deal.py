@@ -10,10 +10,10 @@ The unpadded deal lists the real items only, sequences major and each (sequence,
 items together. ``PREFIX[b]`` counts the items per KV head of the sequences before b; one
 program of the packed preprocess (``packed_prep.py``) builds it on the device from the offsets
 (the host reads none), and each partition of the kernel finds a work index's sequence by binary
-search (``walk.work_head``). A
-(sequence, KV head) still holds at most P items (``fit_schedule`` sizes P for the longest), all
-within P consecutive work indices, so each ordered wait is for an item that a program reaches
-by finishing items of lower indices only: the argument of ``ops/schedules.py`` holds as before.
+search (``walk.work_head``). A (sequence, KV head) still holds at most P items (``fit_schedule``
+sizes P for the longest), all within P consecutive work indices, so each ordered wait is for an
+item that a program reaches by finishing items of lower indices only: the argument of
+``ops/schedules.py`` holds as before.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX,
                         stride_ot, stride_oh, stride_oe, stride_dt, stride_dh, stride_de,
                         num_seqs, total_q, total_k, max_q, max_k, row_stride, plane,
                         search_steps, EV: tl.constexpr, HEAD_EV: tl.constexpr,
-                        BLOCK_M: tl.constexpr, ALIGNED: tl.constexpr, CAUSAL: tl.constexpr, SCHEDULE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, WITH_PREFIX: tl.constexpr,
+                        BLOCK_M: tl.constexpr, ALIGNED: tl.constexpr, CAUSAL: tl.constexpr,
+                        SCHEDULE: tl.constexpr, BLOCK_N: tl.constexpr, WITH_PREFIX: tl.constexpr,
                         PREFIX_BLOCK: tl.constexpr):
     """Program (r, h): stats rows [r * BLOCK_M, (r + 1) * BLOCK_M) of query head h, each the row
     of the sequence whose segment holds it (the last sequence whose segment base is not after
