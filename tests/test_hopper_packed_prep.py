@@ -1,7 +1,8 @@
 """The packed Hopper backward's preprocess (``ops/hopper/packed_prep.py``), on the CPU (Triton
 interpreter): every sequence's row stats land where the kernel's TMA boxes read them, each box
-starts 16-byte aligned, segments never overlap, the rows between them hold +inf and 0, and the
-values are the dense preprocess's (the kernel itself is checked on a GPU, tests/gpu)."""
+starts 16-byte aligned, a box that holds a sequence's rows holds no other sequence's (BLOCK_M
+rows of padding on each side), the padding holds +inf and 0, and the values are the dense
+preprocess's (the kernel itself is checked on a GPU, tests/gpu)."""
 
 import itertools
 import math
@@ -26,14 +27,14 @@ def test_rows_land_where_the_aligned_boxes_read_them(seed, aligned, dtype):
     gen = torch.Generator().manual_seed(seed)
     lens_q = torch.randint(0, 150, (7,), generator=gen).tolist()
     lens_k = torch.randint(0, 150, (7,), generator=gen).tolist()
-    heads, ev, total = 3, 20, sum(lens_q)  # a head dim below its power-of-two bucket
+    heads, ev, total, box = 3, 20, sum(lens_q), 16  # a head dim below its power-of-two bucket
     out, grad_out = (torch.randn(total, heads, ev, generator=gen).to(dtype) for _ in range(2))
     lse = torch.randn(heads, total, generator=gen)
     lse[0, :5] = -math.inf  # rows that saw no key: +inf in the stats, as the dense layout
     stats, row_stride, prefix = packed_prepare(
         out, grad_out, lse, _offsets(lens_q), _offsets(lens_k), sum(lens_k), max(lens_q),
         max(lens_k), aligned=aligned, causal=aligned, schedule=catalog.get("descending"),
-        block_n=16, with_prefix=False)
+        block_m=box, block_n=2 * box, with_prefix=False)
     assert prefix is None and row_stride % 4 == 0
     stats = stats.view(2, heads, row_stride)
     delta = compute_delta(out.transpose(0, 1).unsqueeze(0), grad_out.transpose(0, 1).unsqueeze(0))
@@ -43,10 +44,12 @@ def test_rows_land_where_the_aligned_boxes_read_them(seed, aligned, dtype):
     end_of_previous, q0 = 0, 0
     for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         q_lo = max(lk - lq, 0) if aligned else 0
-        first = q0 + 4 * i + ((q_lo - q0 - 4 * i) & 3)
-        assert (first - q_lo) % 4 == 0  # a box at row0 (a multiple of 64) - q_lo is aligned
-        assert first >= end_of_previous and first + lq <= row_stride
-        end_of_previous = first + lq
+        room = q0 + (2 * box + 4) * i + box
+        first = room + ((q_lo - room) & 3)
+        assert (first - q_lo) % 4 == 0  # a box at row0 (a multiple of box) - q_lo is aligned
+        # the boxes reach box - 1 rows before and after the sequence's rows, and no further
+        assert first - (box - 1) > end_of_previous and first + lq + box - 1 <= row_stride
+        end_of_previous = first + lq + box - 1
         if lq:
             assert torch.equal(stats[0, :, first:first + lq], lse2[:, q0:q0 + lq])
             assert torch.equal(stats[1, :, first:first + lq], delta[:, q0:q0 + lq])

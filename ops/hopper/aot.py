@@ -56,8 +56,8 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
     signature.update({name: "i64" for name in ("stride_dkb", "stride_dkh", "stride_dkn",
                                                "stride_dvb", "stride_dvh", "stride_dvn")})
     signature.update({name: "i32" for name in ("HQ", "HKV", "L", "S", "n_q", "n_kv", "max_q",
-                                               "max_k", "row_stride", "win_left", "win_right",
-                                               "items_per_head", "total_items")})
+                                               "max_k", "row_stride", "stats_stride", "win_left",
+                                               "win_right", "items_per_head", "total_items")})
     signature.update({"qk_scale": "fp32", "sm_scale": "fp32", "max_spin": "i32"})
     signature.update({name: "constexpr" for name in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())

@@ -45,8 +45,8 @@ from .primitives import (LAST_NAMED_BARRIER, named_barrier_arrive, partition_bar
 @gluon.jit
 def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, b, hkv, kv,
-               g_lo, g_hi, batch, stats_shift, q_start, k_start, q_lo, q_hi, tiles_q, tiles_kv,
-               HQ, row_stride, win_left, win_right, it, tile, GROUP: gl.constexpr,
+               g_lo, g_hi, batch, q_start, k_start, q_lo, q_hi, tiles_q, tiles_kv,
+               HQ, stats_stride, win_left, win_right, it, tile, GROUP: gl.constexpr,
                CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, WINDOW: gl.constexpr,
                VARLEN: gl.constexpr):
     """K and V of KV tile ``kv``, then Q, dO and the row stats of every step of query heads
@@ -67,7 +67,7 @@ def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do
     first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL, WINDOW)
     for g in range(g_lo, g_hi):
         q_head = hkv * GROUP + g
-        row_base = walk.head_rows(b, q_head, HQ, q_start, row_stride, VARLEN)
+        stats_base = walk.stats_row(b, q_head, HQ, q_start, q_lo, stats_stride, BLOCK_M, VARLEN)
         for step in range(count * NSUB):
             _, row0, live = walk.step_rows(step, kv, first, count, tiles_q, tiles_kv, q_lo, q_hi,
                                            BLOCK_M, BLOCK_N, CAUSAL, WINDOW, VARLEN, SCHEDULE)
@@ -81,9 +81,8 @@ def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do
                          q_bufs.index(s).reshape([1, 1, BLOCK_M, HEAD_D]))
                 tma_load(do_desc, [batch, q_head, packed_row, 0], bar,
                          do_bufs.index(s).reshape([1, 1, BLOCK_M, HEAD_D]))
-                stats_row = row_base + stats_shift + row0
-                tma_load(lse_desc, [stats_row], bar, lse_bufs.index(s))
-                tma_load(delta_desc, [stats_row], bar, delta_bufs.index(s))
+                tma_load(lse_desc, [stats_base + row0], bar, lse_bufs.index(s))
+                tma_load(delta_desc, [stats_base + row0], bar, delta_bufs.index(s))
                 it += 1
     return it, tile + 1
 
@@ -92,7 +91,7 @@ def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                     CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
-                    row_stride, win_left, win_right, items_per_head, total_items,
+                    stats_stride, win_left, win_right, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                     HEADS_OUTER: gl.constexpr, VISITS: gl.constexpr, UNPADDED: gl.constexpr):
@@ -105,7 +104,6 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         batch = walk.tma_batch(b, VARLEN)
-        stats_shift = walk.stats_shift(b, q_start, q_lo, VARLEN)
         for visit in range(VISITS):
             slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, HEADS_OUTER)
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
@@ -113,14 +111,14 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                 it, tile = _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                                       q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem,
                                       q_ready, q_empty, kv_ready, kv_empty, b, hkv, kv, g_lo,
-                                      g_hi, batch, stats_shift, q_start, k_start, q_lo, q_hi,
-                                      tiles_q, tiles_kv, HQ, row_stride, win_left, win_right, it,
+                                      g_hi, batch, q_start, k_start, q_lo, q_hi,
+                                      tiles_q, tiles_kv, HQ, stats_stride, win_left, win_right, it,
                                       tile, GROUP, CAUSAL, SCHEDULE, WINDOW, VARLEN)
 
 
 @gluon.jit
 def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs, q_ready,
-          q_empty, dq_ready, dq_empty, dk, dv, it, first_it, row0, cols, q_lo, q_hi, k_lo, k_hi,
+          q_empty, dq_ready, dq_empty, dk, dv, it, first_it, row0, cols, q_lo, q_hi,
           S, win_left, win_right, qk_scale, sm_scale, s_layout: gl.constexpr,
           a_layout: gl.constexpr, dq_layout: gl.constexpr, CAUSAL: gl.constexpr,
           WINDOW: gl.constexpr, VARLEN: gl.constexpr, EVEN_S: gl.constexpr,
@@ -157,14 +155,12 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
     keys = gl.expand_dims(cols, 1)
     queries = gl.expand_dims(rows, 0)
-    if VARLEN and CAUSAL:  # the sequence's bounds folded into the causal test
-        key_at, query_at = walk.causal_order(cols, rows, k_lo, k_hi, q_lo, q_hi)
-        p_t = gl.where(gl.expand_dims(key_at, 1) <= gl.expand_dims(query_at, 0), p_t, 0.0)
-    elif VARLEN:
-        real = (keys >= k_lo) & (keys < k_hi) & (queries >= q_lo) & (queries < q_hi)
-        p_t = gl.where(real, p_t, 0.0)
-    elif CAUSAL:
+    # Packed: ``cols`` holds the keys recoded by ``walk.key_order``; rows outside the sequence
+    # have P = 0 already (their stats are the padding's +inf, their Q zeros).
+    if CAUSAL:
         p_t = gl.where(keys <= queries, p_t, 0.0)
+    elif VARLEN:
+        p_t = gl.where(keys < walk.OUTSIDE, p_t, 0.0)
     if WINDOW:  # as tiles.window_keep: a side of -1 is open
         inside = (((keys >= queries - win_left) | (win_left < 0))
                   & ((keys <= queries + win_right) | (win_right < 0)))
@@ -174,8 +170,6 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
     dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
     delta = delta_bufs.index(s).load(row_layout)
-    if VARLEN:  # the box's rows of a neighbour (P is 0 there) may hold anything, even NaN
-        delta = gl.where((rows >= q_lo) & (rows < q_hi), delta, 0.0)
     ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
     if COMPUTE_DQ or DK_IN_FLIGHT:
         # dQ = dS K reads both warpgroups' keys of dS^T; dK taking dS^T from shared memory (not
@@ -284,6 +278,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
                 cols = kv * BLOCK_N + offs_n
+                if VARLEN:
+                    cols = walk.key_order(cols, k_lo, k_hi)
                 if HEADS_OUTER:  # the tile's dK and dV over the heads before g_lo, kept here
                     stash = (STASH + ((gl.program_id(0) * NUM_SLOTS + slot) * 2) * BLOCK_N * HEAD_D
                              + gl.expand_dims(offs_kn, 1) * HEAD_D + gl.expand_dims(offs_kd, 0))
@@ -309,8 +305,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                         if live:
                             dk, dv = _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem,
                                            ds_smem, dq_bufs, q_ready, q_empty, dq_ready, dq_empty,
-                                           dk, dv, it, first_it, row0, cols, q_lo, q_hi, k_lo,
-                                           k_hi, S, win_left, win_right, qk_scale, sm_scale,
+                                           dk, dv, it, first_it, row0, cols, q_lo, q_hi, S,
+                                           win_left, win_right, qk_scale, sm_scale,
                                            s_layout, a_layout, dq_layout, CAUSAL, WINDOW, VARLEN,
                                            EVEN_S, COMPUTE_DQ, DK_IN_FLIGHT, NAMED_HANDOFF,
                                            WRITER_FREES, HANDOFF_THREADS, num_warps)
@@ -338,8 +334,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
 def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, DQACC,
                     STASH, TICKETS, ERR, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh,
                     stride_dkn, stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv,
-                    max_q, max_k,
-                    row_stride, win_left, win_right, items_per_head, total_items, qk_scale,
+                    max_q, max_k, row_stride, stats_stride, win_left, win_right,
+                    items_per_head, total_items, qk_scale,
                     sm_scale, max_spin,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, ORDERED: gl.constexpr,
@@ -352,9 +348,10 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
     Dense: rank-4 descriptors over (B, heads, rows, D) in the tensors' own strides, row stats and
-    DQACC over (B * Hq, row_stride). VARLEN: descriptors over (1, heads, T, D) views of the packed
-    tensors, DQACC and TICKETS over (Hq, row_stride) by packed row, the stats over
-    (Hq, row_stride) with sequence b's rows from ``packed_prep.stats_start``; batch entry b is
+    DQACC over (B * Hq, row_stride), the row stats over (B * Hq, stats_stride). VARLEN:
+    descriptors over (1, heads, T, D) views of the packed tensors, DQACC and TICKETS over
+    (Hq, row_stride) by packed row, the stats over (Hq, stats_stride) with sequence b's rows from
+    ``packed_prep.stats_start``; batch entry b is
     sequence b of the offsets CU_Q, CU_K (L, S: totals); UNPADDED: the items are dealt by
     PREFIX (``deal.py``), else every sequence has ``items_per_head``. HEADS_OUTER: STASH holds
     each program's fp32 dK and dV of its items' KV tiles between their query heads,
@@ -418,7 +415,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
-                           row_stride, win_left, win_right, items_per_head, total_items,
+                           stats_stride, win_left, win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, HEADS_OUTER,
                            VISITS, UNPADDED)),
         (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS,

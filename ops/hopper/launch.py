@@ -192,11 +192,11 @@ def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor | None,
             cfg: HopperBackwardConfig, *, is_causal: bool, window: tuple[int, int], scale: float,
             max_spin: int, even_s: bool) -> tuple[int]:
     """One launch of the backward kernel over (B, H, N, D) ``views`` = (q, k, v, grad_out, dk,
-    dv); ``sizes`` = (batch entries, L, S, Q tiles, KV tiles, rows per head of the stats and the
-    dQ accumulator); ``dq_acc`` None when dQ is computed apart; ``tickets`` and ``error_flag``
-    zeros; ``prefix`` the unpadded deal's (``packed_prep.py``); return the grid."""
+    dv); ``sizes`` = (batch entries, L, S, Q tiles, KV tiles, rows per head of the dQ
+    accumulator, of the stats); ``dq_acc`` None when dQ is computed apart; ``tickets`` and
+    ``error_flag`` zeros; ``prefix`` the unpadded deal's (``packed_prep.py``); return the grid."""
     q, k, v, grad_out, dk, dv = views
-    batch, seq_q, seq_k, n_q, n_kv, row_stride = sizes
+    batch, seq_q, seq_k, n_q, n_kv, row_stride, stats_stride = sizes
     hq, hkv = q.shape[1], k.shape[1]
     per_head, total_items, grid, constexprs = _geometry(
         schedule, cfg, batch, hkv, n_kv, is_causal, hq // hkv, even_s, window != (-1, -1),
@@ -215,7 +215,8 @@ def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor | None,
         stats if dq_acc is None else dq_acc, stash, tickets, error_flag, cu_q, cu_k,
         tickets if prefix is None else prefix,
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2),
-        hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, *window, per_head,
+        hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, stats_stride, *window,
+        per_head,
         total_items, scale * LOG2E, scale, max_spin, **constexprs)
     return grid
 
@@ -259,7 +260,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         acc_dim=0 if schedule.separate_dq else head_d, ticket_rows=cfg.block_m, with_lse2=True)
     error_flag = flags[:1]
     grid = _launch((q, k, v, grad_out, dk, dv), stats, dq_acc, tickets, error_flag, None, None,
-                   (batch, seq_q, seq_k, n_q, n_kv, rows), schedule, cfg, is_causal=is_causal,
+                   (batch, seq_q, seq_k, n_q, n_kv, rows, rows), schedule, cfg, is_causal=is_causal,
                    window=window, scale=scale, max_spin=max_spin,
                    even_s=seq_k % cfg.block_n == 0)
     if is_causal and seq_k > n_q * cfg.block_n:
@@ -306,18 +307,18 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         return plan
     heads_first = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, grad_out))
     q4, k4, v4, do4 = (tma_readable(t) for t in heads_first)
-    stats, row_stride, prefix = packed_prepare(
+    stats, stats_stride, prefix = packed_prepare(
         out, grad_out, lse, cu_seq_q, cu_seq_k, tk, max_q, max_k, aligned=aligned,
-        causal=is_causal, schedule=schedule, block_n=cfg.block_n,
+        causal=is_causal, schedule=schedule, block_m=cfg.block_m, block_n=cfg.block_n,
         with_prefix=unpadded_deal(cfg, schedule.name, True))
     dq_acc = None
     if not schedule.separate_dq:
-        dq_acc = torch.zeros((hq, row_stride, head_d), device=q.device, dtype=torch.float32)
-    tickets, flags = zeroed_tickets(hq * row_stride, q.device)
+        dq_acc = torch.zeros((hq, tq, head_d), device=q.device, dtype=torch.float32)
+    tickets, flags = zeroed_tickets(hq * tq, q.device)
     error_flag = flags[:1]
     dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
     grid = _launch((q4, k4, v4, do4, dk4, dv4), stats, dq_acc, tickets, error_flag, packed,
-                   prefix, (num_seqs, tq, tk, n_q, n_kv, row_stride), schedule, cfg,
+                   prefix, (num_seqs, tq, tk, n_q, n_kv, tq, stats_stride), schedule, cfg,
                    is_causal=is_causal, window=window, scale=scale, max_spin=max_spin,
                    even_s=False)
     if schedule.separate_dq:
@@ -329,7 +330,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                        cfg=portable_backward_config(head_d, q.dtype, is_causal, 9), window=window,
                        packed=packed)
     else:
-        dq.copy_(dq_acc[:, :tq].transpose(0, 1))
+        dq.copy_(dq_acc.transpose(0, 1))
     if schedule.ordered:
         watch_spin_flag(error_flag, f"{shape}, schedule {schedule.name!r}")
     return dataclasses.replace(plan, grid=grid)

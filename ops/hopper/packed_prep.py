@@ -29,17 +29,25 @@ from .deal import write_item_prefix
 
 
 @triton.jit
-def stats_start(q0, seq, q_lo):
-    """The first stats row of packed sequence ``seq`` (first packed row ``q0``): from q0 + 4 seq,
-    up to 3 rows later, congruent to ``q_lo`` modulo 4. Segments never overlap: the next one
-    starts at or after q0 + length + 4 (seq + 1)."""
-    base = q0 + 4 * seq
+def segment_base(q0, seq, BLOCK_M: tl.constexpr):
+    """Where packed sequence ``seq``'s room in the stats begins: each earlier sequence's rows
+    plus 2 BLOCK_M + 4 rows of padding and alignment."""
+    return q0 + (2 * BLOCK_M + 4) * seq
+
+
+@triton.jit
+def stats_start(q0, seq, q_lo, BLOCK_M: tl.constexpr):
+    """The first stats row of packed sequence ``seq`` (first packed row ``q0``, ``q_lo`` the tile
+    row of its first query): BLOCK_M rows into its room, up to 3 rows later, congruent to q_lo
+    modulo 4. Its rows end at least BLOCK_M rows before the next sequence's first row (whose
+    room begins at or after q0 + length + (2 BLOCK_M + 4)(seq + 1))."""
+    base = segment_base(q0, seq, BLOCK_M) + BLOCK_M
     return base + ((q_lo - base) & 3)
 
 
-def stats_rows(total_q: int, num_seqs: int) -> int:
-    """Rows of the stats per head: every segment's room, a multiple of 4."""
-    return triton.cdiv(total_q + 4 * num_seqs, 4) * 4
+def stats_rows(total_q: int, num_seqs: int, block_m: int) -> int:
+    """Rows of the stats per head: every sequence's room, a multiple of 4."""
+    return triton.cdiv(total_q + (2 * block_m + 4) * num_seqs, 4) * 4
 
 
 @triton.jit
@@ -47,24 +55,26 @@ def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX,
                         stride_ot, stride_oh, stride_oe, stride_dt, stride_dh, stride_de,
                         num_seqs, total_q, total_k, max_q, max_k, row_stride, plane,
                         search_steps, EV: tl.constexpr, HEAD_EV: tl.constexpr,
-                        BLOCK_M: tl.constexpr, ALIGNED: tl.constexpr, CAUSAL: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BOX_M: tl.constexpr, ALIGNED: tl.constexpr,
+                        CAUSAL: tl.constexpr,
                         SCHEDULE: tl.constexpr, BLOCK_N: tl.constexpr, WITH_PREFIX: tl.constexpr,
                         PREFIX_BLOCK: tl.constexpr):
     """Program (r, h): stats rows [r * BLOCK_M, (r + 1) * BLOCK_M) of query head h, each the row
-    of the sequence whose segment holds it (the last sequence whose segment base is not after
-    it, by binary search), or padding. Program (0, 0) also writes PREFIX (WITH_PREFIX)."""
+    of the sequence whose room holds it (the last sequence whose room begins at or before it, by
+    binary search), or padding; BOX_M: the kernel's rows per box. Program (0, 0) also writes
+    PREFIX (WITH_PREFIX)."""
     h = tl.program_id(1)
     dest = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     lo = tl.zeros([BLOCK_M], tl.int32)
     hi = tl.zeros([BLOCK_M], tl.int32) + num_seqs - 1
     for _ in range(0, search_steps):  # bisection: enough steps to narrow num_seqs to one
         mid = (lo + hi + 1) // 2
-        below = tl.load(CU_Q + mid).to(tl.int32) + 4 * mid <= dest
+        below = segment_base(tl.load(CU_Q + mid).to(tl.int32), mid, BOX_M) <= dest
         lo = tl.where(below, mid, lo)
         hi = tl.where(below, hi, mid - 1)
     q0, seq_l, k0, seq_s = sequence_bounds(CU_Q, CU_K, lo, total_q, total_k, max_q, max_k)
     q_lo, _ = diagonal_origin(seq_l, seq_s, ALIGNED)
-    offset = dest - stats_start(q0, lo, q_lo)
+    offset = dest - stats_start(q0, lo, q_lo, BOX_M)
     real = (offset >= 0) & (offset < seq_l)
     rows = tl.where(real, q0 + offset, 0)
     cols = tl.arange(0, HEAD_EV)
@@ -86,12 +96,14 @@ def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX,
 def packed_prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
                    cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, total_k: int, max_q: int,
                    max_k: int, *, aligned: bool, causal: bool, schedule: catalog.Schedule,
-                   block_n: int, with_prefix: bool) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+                   block_m: int, block_n: int,
+                   with_prefix: bool) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """(stats (2, Hq * row_stride), row_stride, the deal's prefix or None) for (Tq, Hq, Ev)
-    ``out`` and ``grad_out`` and the forward's (Hq, Tq) ``lse``; ``total_k`` packed keys."""
+    ``out`` and ``grad_out`` and the forward's (Hq, Tq) ``lse``; ``total_k`` packed keys; the
+    kernel's boxes of ``block_m`` rows."""
     total_q, heads, ev = out.shape
     num_seqs = cu_seq_q.numel() - 1
-    row_stride = stats_rows(total_q, num_seqs)
+    row_stride = stats_rows(total_q, num_seqs, block_m)
     stats = torch.empty((2, heads * row_stride), device=out.device, dtype=torch.float32)
     prefix = (torch.empty(num_seqs + 1, device=out.device, dtype=torch.int32)
               if with_prefix else None)
@@ -99,7 +111,8 @@ def packed_prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
         out, grad_out, lse.contiguous(), cu_seq_q, cu_seq_k, stats,
         stats if prefix is None else prefix, *out.stride(), *grad_out.stride(), num_seqs,
         total_q, total_k, max_q, max_k, row_stride, heads * row_stride, num_seqs.bit_length(),
-        EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=BLOCK, ALIGNED=aligned, CAUSAL=causal,
+        EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=BLOCK, BOX_M=block_m, ALIGNED=aligned,
+        CAUSAL=causal,
         SCHEDULE=schedule.id, BLOCK_N=block_n, WITH_PREFIX=with_prefix,
         PREFIX_BLOCK=min(max(triton.next_power_of_2(num_seqs), 16), 1024))
     return stats, row_stride, prefix

@@ -142,17 +142,19 @@ def crosses_edge(first, SIZE: gl.constexpr, lo, hi):
     return (first < lo) | (first + SIZE > hi)
 
 
+#: A packed tile's key outside its sequence, recoded (``key_order``): beyond any tile coordinate.
+OUTSIDE = gl.constexpr(1 << 30)
+
+
 @gluon.jit
-def causal_order(keys, queries, k_lo, k_hi, q_lo, q_hi):
-    """A tile's keys and queries (1-D) recoded so that ``key <= query`` holds exactly where both
-    lie in the packed sequence (keys ``[k_lo, k_hi)``, queries ``[q_lo, q_hi)``) and the key is
-    not after the query: the causal mask of a packed tile then costs one compare per element, as
-    a dense one does. Five tests per element made the packed causal kernel 10-25% slower
-    (docs/kernels-notes.md)."""
-    OUTSIDE: gl.constexpr = 1 << 30  # beyond any tile coordinate
-    key_at = gl.where((keys >= k_lo) & (keys < k_hi), keys, OUTSIDE)
-    query_at = gl.where((queries >= q_lo) & (queries < q_hi), queries, -OUTSIDE)
-    return key_at, query_at
+def key_order(keys, k_lo, k_hi):
+    """A packed tile's keys (1-D, once per KV tile) with those outside the sequence's [k_lo, k_hi)
+    recoded to OUTSIDE: then ``key <= query`` holds exactly where the key is real and not after
+    the query, and ``key < OUTSIDE`` where it is real, one test per element as in a dense tile.
+    The queries need none: the stats' padding gives rows outside the sequence P = 0
+    (``packed_prep.py``). Five tests per element made the packed causal kernel 10-25% slower,
+    and the sequence's bounds in every step cost it registers (docs/kernels-notes.md)."""
+    return gl.where((keys >= k_lo) & (keys < k_hi), keys, OUTSIDE)
 
 
 @gluon.jit
@@ -178,23 +180,24 @@ def tma_batch(b, VARLEN: gl.constexpr):
 
 @gluon.jit
 def head_rows(b, hq, HQ, q_start, row_stride, VARLEN: gl.constexpr):
-    """The row of tile row 0 in the row stats, the dQ accumulator and, packed, the tickets, for
-    query head ``hq`` of batch entry ``b``."""
-    if VARLEN:  # stats and accumulator (Hq, row_stride)
+    """The row of tile row 0 in the dQ accumulator and, packed, the tickets, for query head ``hq``
+    of batch entry ``b``."""
+    if VARLEN:  # accumulator (Hq, row_stride) by packed row
         result = hq * row_stride + q_start
-    else:  # stats and accumulator (B * Hq, row_stride)
+    else:  # accumulator (B * Hq, row_stride)
         result = (b * HQ + hq) * row_stride
     return result
 
 
 @gluon.jit
-def stats_shift(b, q_start, q_lo, VARLEN: gl.constexpr):
-    """What to add to ``head_rows``' row for the row stats' TMA box. A 1-D box must start 16-byte
-    aligned and a packed sequence starts anywhere, so packed stats are laid out with each sequence
-    at ``packed_prep.stats_start``, congruent to its q_lo modulo 4."""
+def stats_row(b, hq, HQ, q_start, q_lo, stats_stride, BLOCK_M: gl.constexpr,
+              VARLEN: gl.constexpr):
+    """The row of tile row 0 in the row stats, (B * Hq, stats_stride) or, packed, (Hq,
+    stats_stride). A 1-D TMA box must start 16-byte aligned and a packed sequence starts
+    anywhere, so packed stats are laid out with each sequence at ``packed_prep.stats_start``,
+    congruent to its q_lo modulo 4, in a room padded with BLOCK_M rows on each side."""
     if VARLEN:
-        q0 = q_start + q_lo
-        shift = stats_start(q0, b, q_lo) - q0
+        result = hq * stats_stride + stats_start(q_start + q_lo, b, q_lo, BLOCK_M) - q_lo
     else:
-        shift = 0 * b
-    return shift
+        result = (b * HQ + hq) * stats_stride
+    return result
