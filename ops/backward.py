@@ -38,7 +38,7 @@ from .plan import Plan
 from .tickets import add_in_turn, release_last
 from .dq_pass import launch_dq_pass, load_row_stats
 from .preprocess import prepare
-from .tiles import (KERNEL_LOG2E, LOG2E, diagonal_origin, load_rows, mm, sequence_bounds,
+from .tiles import (KERNEL_LOG2E, LOG2E, load_rows, mm, sequence_tiles,
                     window_keep)
 
 
@@ -93,13 +93,9 @@ def _backward_main_kernel(
         # The sequence's tiles: rows [q_lo, q_hi) and keys [k_lo, k_hi) are real (dense: all).
         q_lo, q_hi, k_lo, k_hi, seq_n_q, seq_n_kv = 0, L, 0, S, n_q, n_kv
         if VARLEN:
-            q0, seq_l, k0, seq_s = sequence_bounds(CU_Q, CU_K, b, L, S, max_q, max_k)
-            q_lo, k_lo = diagonal_origin(seq_l, seq_s, CAUSAL or WINDOW)
-            q_hi, k_hi = q_lo + seq_l, k_lo + seq_s
-            seq_n_q = tl.cdiv(q_hi, BLOCK_N)
-            seq_n_kv = tl.cdiv(k_hi, BLOCK_N)
-            seq_items = tl.where((seq_l > 0) & (seq_s > 0),
-                                 sch.items_in_head(seq_n_kv, CAUSAL, SCHEDULE), 0)
+            q0, k0, q_lo, q_hi, k_lo, k_hi, seq_n_q, seq_n_kv = sequence_tiles(
+                CU_Q, CU_K, b, L, S, max_q, max_k, BLOCK_N, CAUSAL or WINDOW)
+            seq_items = sch.items_in_head(seq_n_kv, CAUSAL, SCHEDULE)
         for slot in range(NUM_SLOTS):
             kv = sch.slot_kv_tile(item, slot, seq_n_kv, CAUSAL, SCHEDULE)
             if VARLEN:

@@ -30,7 +30,7 @@ def item_prefix(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: i
     out = torch.randn(total_q, 1, 16)
     lse = torch.randn(1, total_q)
     _, _, prefix = packed_prepare(out, out, lse, cu_q, cu_k, total_k, max_q, max_k,
-                                  with_prefix=True, **options)
+                                  block_m=options["block_n"] // 2, with_prefix=True, **options)
     return prefix
 
 

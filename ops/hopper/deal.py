@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import schedules as sch
-from ..tiles import diagonal_origin, sequence_bounds
+from ..tiles import sequence_tiles
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def write_item_prefix(CU_Q, CU_K, PREFIX, num_seqs, total_q, total_k, max_q, max
                       BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, CAUSAL: tl.constexpr,
                       SCHEDULE: tl.constexpr, BLOCK: tl.constexpr):
     """PREFIX[0] = 0, PREFIX[b + 1] = the items per KV head of sequences 0..b (as the walk
-    counts them: ``walk.sequence_tiles`` and ``walk.slot_tile``), by one program, BLOCK
+    counts them: ``tiles.sequence_tiles`` and ``walk.slot_tile``), by one program, BLOCK
     sequences at a time (the packed preprocess, ``packed_prep.py``, runs it)."""
     tl.store(PREFIX, 0)
     carry = 0
@@ -38,10 +38,8 @@ def write_item_prefix(CU_Q, CU_K, PREFIX, num_seqs, total_q, total_k, max_q, max
         index = start + tl.arange(0, BLOCK)
         inside = index < num_seqs
         seq = tl.minimum(index, num_seqs - 1)
-        _, seq_l, _, seq_s = sequence_bounds(CU_Q, CU_K, seq, total_q, total_k, max_q, max_k)
-        _, k_lo = diagonal_origin(seq_l, seq_s, ALIGNED)
-        tiles_kv = tl.cdiv(k_lo + seq_s, BLOCK_N)
-        some = inside & (seq_l > 0) & (seq_s > 0)
-        items = tl.where(some, sch.items_in_head(tiles_kv, CAUSAL, SCHEDULE), 0)
+        tiles_kv = sequence_tiles(CU_Q, CU_K, seq, total_q, total_k, max_q, max_k, BLOCK_N,
+                                  ALIGNED)[7]
+        items = tl.where(inside, sch.items_in_head(tiles_kv, CAUSAL, SCHEDULE), 0)
         tl.store(PREFIX + 1 + index, carry + tl.cumsum(items, 0), mask=inside)
         carry += tl.sum(items, 0)

@@ -19,7 +19,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .. import schedules as sch
-from ..tiles import diagonal_origin, sequence_bounds
+from .. import tiles
 from .packed_prep import stats_start
 
 
@@ -67,14 +67,9 @@ def sequence_tiles(b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N: gl.con
     (VARLEN; dense: 0). A sequence without queries or keys has no tiles.
     """
     if VARLEN:
-        q0, seq_l, k0, seq_s = sequence_bounds(CU_Q, CU_K, b, L, S, max_q, max_k)
-        q_lo, k_lo = diagonal_origin(seq_l, seq_s, ALIGNED)
-        q_hi = q_lo + seq_l
-        k_hi = k_lo + seq_s
-        some = (seq_l > 0) & (seq_s > 0)
-        tiles_q = (q_hi + BLOCK_N - 1) // BLOCK_N
-        tiles_kv = (k_hi + BLOCK_N - 1) // BLOCK_N
-        result = (q0 - q_lo, k0 - k_lo, q_lo, q_hi, k_lo, k_hi, tiles_q * some, tiles_kv * some)
+        q0, k0, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = tiles.sequence_tiles(
+            CU_Q, CU_K, b, L, S, max_q, max_k, BLOCK_N, ALIGNED)
+        result = (q0 - q_lo, k0 - k_lo, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv)
     else:
         result = (0 * b, 0 * b, 0 * b, L + 0 * b, 0 * b, S + 0 * b, n_q + 0 * b, n_kv + 0 * b)
     return result
