@@ -190,15 +190,18 @@ def test_hopper_grid_keeps_each_heads_equal_items_in_one_round():
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("schedule", ["shift", "descending", "atomic"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_heads_outer_only_for_paired_gqa_items_at_head_dim_128(dim, schedule, causal, group):
-    """Items visit their tiles head by head only where it measured faster: two KV tiles a
-    (causal ``shift``) item, a GQA group, head dim 128, a dense problem."""
+    """Items visit their tiles two query heads at a time only where it measured faster: two KV
+    tiles a (causal ``shift``) item, a GQA group of more than two heads, head dim 128, a dense
+    problem."""
     from dash_inductor.ops.hopper.config import backward_config, backward_constexprs
 
     cfg = backward_config(dim, causal)
-    expected = dim == 128 and schedule == "shift" and causal and group > 1
-    assert backward_constexprs(schedule, causal, group, True, cfg)["HEADS_OUTER"] == expected
+    expected = dim == 128 and schedule == "shift" and causal and group > 2
+    constexprs = backward_constexprs(schedule, causal, group, True, cfg)
+    assert constexprs["HEADS_OUTER"] == expected
+    assert group % constexprs["VISIT_HEADS"] == 0 and constexprs["VISIT_HEADS"] == min(group, 2)
     for window, varlen in ((True, False), (False, True)):
         assert not backward_constexprs(schedule, causal, group, True, cfg, window,
                                        varlen)["HEADS_OUTER"]

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     for head_dim in HEAD_DIMS:
         for schedule, causal, window, varlen in backward_variants:
             compiled = compile_backward(args.dtype, head_dim, schedule, causal,
-                                        group=2 if causal else 1, even_s=not causal,
+                                        group=4 if causal else 1, even_s=not causal,
                                         window=window, varlen=varlen)
             key = dict(dtype=args.dtype, head_dim=head_dim, schedule=schedule, causal=causal,
                        variant=variant_name(window, varlen))

@@ -94,7 +94,8 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                     stats_stride, win_left, win_right, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
-                    HEADS_OUTER: gl.constexpr, VISITS: gl.constexpr, UNPADDED: gl.constexpr):
+                    HEADS_OUTER: gl.constexpr, VISIT_HEADS: gl.constexpr, VISITS: gl.constexpr,
+                    UNPADDED: gl.constexpr):
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     it = 0
     tile = 0
@@ -105,7 +106,8 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         batch = walk.tma_batch(b, VARLEN)
         for visit in range(VISITS):
-            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, HEADS_OUTER)
+            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, HEADS_OUTER,
+                                                VISIT_HEADS)
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
                 it, tile = _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
@@ -248,7 +250,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                        DK_IN_FLIGHT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                        NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
                        HANDOFF_THREADS: gl.constexpr, HEADS_OUTER: gl.constexpr,
-                       VISITS: gl.constexpr, UNPADDED: gl.constexpr, num_warps: gl.constexpr):
+                       VISIT_HEADS: gl.constexpr, VISITS: gl.constexpr, UNPADDED: gl.constexpr,
+                       num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -274,7 +277,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         for visit in range(VISITS):
-            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, HEADS_OUTER)
+            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, HEADS_OUTER,
+                                                VISIT_HEADS)
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
                 cols = kv * BLOCK_N + offs_n
@@ -343,7 +347,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
                     DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
-                    HEADS_OUTER: gl.constexpr, UNPADDED: gl.constexpr, LOAD_REGS: gl.constexpr,
+                    HEADS_OUTER: gl.constexpr, VISIT_HEADS: gl.constexpr,
+                    UNPADDED: gl.constexpr, LOAD_REGS: gl.constexpr,
                     WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
@@ -376,8 +381,9 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     WRITER_FREES: gl.constexpr = COMPUTE_DQ and (DK_IN_FLIGHT or NAMED_HANDOFF)
     # The named hand-off's participants: the compute warps and the writer's one warp.
     HANDOFF_THREADS: gl.constexpr = 32 * num_warps + 32
-    # KV tile visits per work item (``walk.visit_heads``): one per slot, or one per slot and head.
-    VISITS: gl.constexpr = NUM_SLOTS * GROUP if HEADS_OUTER else NUM_SLOTS
+    # KV tile visits per work item (``walk.visit_heads``): one per slot, or one per slot and
+    # VISIT_HEADS query heads.
+    VISITS: gl.constexpr = NUM_SLOTS * (GROUP // VISIT_HEADS) if HEADS_OUTER else NUM_SLOTS
 
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
@@ -411,18 +417,18 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                               win_left, win_right, items_per_head, total_items, qk_scale, sm_scale,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, HANDOFF_THREADS,
-                              HEADS_OUTER, VISITS, UNPADDED, num_warps)),
+                              HEADS_OUTER, VISIT_HEADS, VISITS, UNPADDED, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                            stats_stride, win_left, win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, HEADS_OUTER,
-                           VISITS, UNPADDED)),
+                           VISIT_HEADS, VISITS, UNPADDED)),
         (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS,
                                ERR, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                                row_stride, win_left, win_right, items_per_head, total_items,
                                max_spin, GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ,
                                ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA, WRITER_FREES,
                                DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS, HEADS_OUTER,
-                               VISITS, UNPADDED)),
+                               VISIT_HEADS, VISITS, UNPADDED)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

@@ -6,6 +6,7 @@ One place for the constexprs of a launch, so that the GPU launcher and the offli
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..catalog import ORDERED
@@ -73,8 +74,8 @@ class HopperBackwardConfig:
     schedule with equally long items runs on a whole number of heads' worth of programs
     (:func:`ordered_programs`); ``heads_outer``: a causal item of a GQA group visits its two KV
     tiles once per query head, keeping the tiles' dK and dV in global memory in between
-    (:func:`heads_outer`); ``unpadded_deal``: packed sequences' items are dealt without the
-    padding items of the padded deal (``deal.py``) under the schedules whose items of a head
+    (:func:`heads_outer`), ``visit_heads`` query heads at a visit; ``unpadded_deal``: packed
+    sequences' items are dealt without the padding items of the padded deal (``deal.py``) under the schedules whose items of a head
     must run at once (``shift``): on three documents of 7429, 3667 and 5288 tokens (H100, d128,
     causal) ``shift`` took 2.84-2.86 ms against 3.25, unmasked 4.56-4.62 against 5.34, with the
     same bits; ``descending`` and ``atomic`` were 3-6% slower unpadded there, so they keep the
@@ -99,6 +100,7 @@ class HopperBackwardConfig:
     num_warps: int = 8
     aligned_grid: bool = True
     heads_outer: bool = True
+    visit_heads: int = 2
     unpadded_deal: bool = True
 
 
@@ -173,7 +175,8 @@ def ordered_programs(items_per_head: int, sms: int) -> int:
 
 def heads_outer(cfg: HopperBackwardConfig, slots: int, group: int, window: bool,
                 varlen: bool) -> bool:
-    """Whether a work item visits its KV tiles head by head (``walk.visit_heads``).
+    """Whether a work item visits its KV tiles a few query heads at a time (``cfg.visit_heads``
+    of its group's, ``walk.visit_heads``), keeping their dK and dV in a stash in between.
 
     A causal item pairs two KV tiles whose visits differ in length. Visiting each tile for the
     whole GQA group before the other leaves the items of a KV head on different query heads at
@@ -184,9 +187,15 @@ def heads_outer(cfg: HopperBackwardConfig, slots: int, group: int, window: bool,
     ``shift`` (H100, bitwise the same gradients): GQA 4:1 at 4k 406 TFLOP/s against 373-378, at
     16k 468-501 against 468-469; at head dim 64 (32 query heads, 8 KV heads, 4k), where those
     buffers take half the room, 337 against 347-349, so ``backward_config`` keeps it to head
-    dim 128.
+    dim 128. Two heads at a visit rather than one halve the stash's fp32 round trips while the
+    buffers in use still fit (H100, 4k causal ``shift``, four alternating timings, bits equal;
+    ``bench/results/2026-11-24-h100-9dc001b/``): GQA 4:1 394-432 TFLOP/s (median 427) against
+    401-417 (409), 32:8 410-431 against 393-409, 8:1 405-430 against 376-409 (four heads:
+    362-368), and 2:1, where two heads are the whole group, 405-435 against 363-418; 16k GQA 4:1
+    493-502 against 484-501.
     """
-    return cfg.heads_outer and slots > 1 and group > 1 and not (window or varlen)
+    return (cfg.heads_outer and slots > 1 and math.gcd(cfg.visit_heads, group) < group
+            and not (window or varlen))
 
 
 def unpadded_deal(cfg: HopperBackwardConfig, schedule: str, varlen: bool) -> bool:
@@ -208,6 +217,7 @@ def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
                 DK_IN_FLIGHT=cfg.dk_in_flight, DQ_TMA=cfg.dq_tma,
                 NAMED_HANDOFF=cfg.named_handoff,
                 HEADS_OUTER=heads_outer(cfg, sched.slots(causal), group, window, varlen),
+                VISIT_HEADS=math.gcd(cfg.visit_heads, group),
                 UNPADDED=unpadded_deal(cfg, schedule, varlen),
                 LOAD_REGS=cfg.load_regs,
                 WRITER_REGS=cfg.writer_regs, num_warps=cfg.num_warps)

@@ -84,14 +84,17 @@ def slot_tile(item, slot, tiles_kv, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr
 
 
 @gluon.jit
-def visit_heads(visit, NUM_SLOTS: gl.constexpr, GROUP: gl.constexpr, HEADS_OUTER: gl.constexpr):
+def visit_heads(visit, NUM_SLOTS: gl.constexpr, GROUP: gl.constexpr, HEADS_OUTER: gl.constexpr,
+                VISIT_HEADS: gl.constexpr):
     """(slot, first query head, last query head + 1) of a work item's ``visit``-th visit of a KV
     tile: each slot's tile once for all the query heads of its GQA group (``NUM_SLOTS`` visits),
-    or, HEADS_OUTER, once per head, the heads outermost (``NUM_SLOTS * GROUP`` visits): then
-    every item of a KV head spends the same time on each query head, so the items in flight
-    touch one query head's dQ, Q and dO at a time (docs/kernels-notes.md)."""
+    or, HEADS_OUTER, once per VISIT_HEADS of them, the heads outermost (``NUM_SLOTS * GROUP /
+    VISIT_HEADS`` visits): then every item of a KV head spends the same time on each query head,
+    so the items in flight touch few query heads' dQ, Q and dO at a time
+    (docs/kernels-notes.md)."""
     if HEADS_OUTER:
-        result = (visit % NUM_SLOTS, visit // NUM_SLOTS, visit // NUM_SLOTS + 1)
+        first = visit // NUM_SLOTS * VISIT_HEADS
+        result = (visit % NUM_SLOTS, first, first + VISIT_HEADS)
     else:
         result = (visit, 0 * visit, 0 * visit + GROUP)
     return result
