@@ -173,7 +173,7 @@ def _varlen_backward_fake(grad_out, query, key, value, out, logsumexp, cu_seq_q,
     _check_choices(schedule, max_spin, cpu_backend, kernel_path)
     packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
                          enable_gqa)
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query, key, value))
+    return tuple(torch.empty_like(t) for t in (query, key, value))
 
 
 def _per_sequence_backward(grad_out, query, key, value, out, lse, segments, scale, window, grads,
@@ -201,8 +201,9 @@ def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_
     window = packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
                                   window_size, enable_gqa)
     segments = _segments(query, key, cu_seq_q, cu_seq_k, max_q, max_k, cpu_backend, kernel_path)
-    grads = tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-                  for t in (query, key, value))
+    # Laid out as the inputs (as SDPA's gradients are), so that autograd does not copy them to
+    # the leaves' strides: a (T, H, D) view of (H, T, D) memory gets (H, T, D) gradients.
+    grads = tuple(torch.zeros_like(t) for t in (query, key, value))
     if not _uses_triton(query, cpu_backend):
         reference_varlen.backward(grad_out, query, key, value, out, logsumexp, segments,
                                   _scale(query, scale), window, *grads)

@@ -196,3 +196,21 @@ def test_opcheck_varlen_ops():
     torch.library.opcheck(torch.ops.dash.varlen_attention_backward.default,
                           (torch.randn_like(out), q, k, v, out, lse, cu, cu, 4, 4, 0.5, [-1, -1],
                            False))
+
+
+def test_gradients_take_the_layout_of_their_inputs():
+    """The backward op returns (T, H, D) views of (H, T, D) memory for such inputs (so autograd
+    has no copy to make to the leaves' strides), with the values of the contiguous call; opcheck
+    holds for the strided inputs."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, grad_out = (torch.randn(2, 9, 8, generator=gen).transpose(0, 1) for _ in range(4))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    out, lse = torch.ops.dash.varlen_attention(q, k, v, cu, cu, 5, 5, None, [-1, 0], False)
+    args = (cu, cu, 5, 5, 0.5, [-1, 0], False)
+    strided = torch.ops.dash.varlen_attention_backward(grad_out, q, k, v, out, lse, *args)
+    dense = torch.ops.dash.varlen_attention_backward(
+        *(t.contiguous() for t in (grad_out, q, k, v, out)), lse, *args)
+    for g, d, t in zip(strided, dense, (q, k, v)):
+        assert g.stride() == t.stride() and torch.equal(g, d)
+    torch.library.opcheck(torch.ops.dash.varlen_attention_backward.default,
+                          (grad_out, q, k, v, out, lse, *args))
