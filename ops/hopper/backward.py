@@ -25,8 +25,10 @@ its neighbours (or past the tensor, where TMA reads zeros): the compute warps ze
 boundary tile in shared memory before any MMA reads it and mask P and delta to the sequence, and
 the writer adds only the sequence's rows, so no value of a neighbour (not even a NaN) reaches a
 sequence's gradients, and its bits do not depend on what is packed beside it. The row stats of
-packed sequences come from a layout where every TMA box starts 16-byte aligned
-(``packed_prep.py``).
+packed sequences come from a layout where every TMA box starts 16-byte aligned and holds no
+other sequence's rows (``packed_prep.py``), so a step masks only the keys. Under ``shift``
+packed items are claimed as programs free up: the load partition claims each and hands it to
+the other two (``deal.py``).
 """
 
 from __future__ import annotations
@@ -368,12 +370,12 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     DQACC over (B * Hq, row_stride), the row stats over (B * Hq, stats_stride). VARLEN:
     descriptors over (1, heads, T, D) views of the packed tensors, DQACC and TICKETS over
     (Hq, row_stride) by packed row, the stats over (Hq, stats_stride) with sequence b's rows from
-    ``packed_prep.stats_start``; batch entry b is
-    sequence b of the offsets CU_Q, CU_K (L, S: totals); UNPADDED: the items are dealt by
-    PREFIX (``deal.py``), else every sequence has ``items_per_head``; CLAIMED: each program's
-    items after its first are claimed from COUNTER (zero) by the load partition (``deal.py``). HEADS_OUTER: STASH holds
-    each program's fp32 dK and dV of its items' KV tiles between their query heads,
-    (programs, NUM_SLOTS, 2, BLOCK_N, D).
+    ``packed_prep.stats_start``; batch entry b is sequence b of the offsets CU_Q, CU_K (L, S:
+    totals); UNPADDED: the items are dealt by PREFIX (``deal.py``), else every sequence has
+    ``items_per_head``; CLAIMED: each program's items after its first are claimed from COUNTER
+    (zero) by the load partition (``deal.py``). HEADS_OUTER: STASH holds each program's fp32 dK
+    and dV of its items' KV tiles between their query heads, (programs, NUM_SLOTS, 2, BLOCK_N,
+    D).
     """
     dtype: gl.constexpr = q_desc.dtype
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
