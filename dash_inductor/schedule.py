@@ -133,20 +133,22 @@ def rank_table(n_q: int, n_kv: int, causal: bool, schedule: str) -> dict[tuple[i
 
 
 def item_steps(item: int, n_q: int, n_kv: int, causal: bool, schedule: str, *,
-               head: int = 0, group: int = 1, heads_outer: bool = False) -> list[Step]:
+               head: int = 0, group: int = 1, visit_heads: int | None = None) -> list[Step]:
     """The steps of one work item in kernel loop order: slot, then query head, then step; with
-    ``heads_outer`` (the Hopper kernel's GQA causal pairs) query head, then slot, then step."""
+    ``visit_heads`` (the Hopper kernel's GQA causal pairs, ``walk.visit_heads``) each block of
+    that many query heads, then slot, then query head, then step."""
     tiles = [kv for kv in (slot_kv_tile(item, slot, n_kv, causal, schedule)
                            for slot in range(num_slots(causal, schedule))) if kv >= 0]
-    visits = ([(kv, qhead) for qhead in range(group) for kv in tiles] if heads_outer
-              else [(kv, qhead) for kv in tiles for qhead in range(group)])
+    width = visit_heads or group
+    visits = [(kv, qhead) for first in range(0, group, width) for kv in tiles
+              for qhead in range(first, min(first + width, group))]
     return [Step(head, qhead, q, kv, reduction_rank(q, kv, n_q, n_kv, causal, schedule))
             for kv, qhead in visits for q in q_order(kv, n_q, n_kv, causal, schedule)]
 
 
 def program_plans(schedule: str, *, n_tiles: int, n_heads: int, programs: int, causal: bool,
                   group: int = 1, n_q_tiles: int | None = None,
-                  heads_outer: bool = False) -> list[list[Step]]:
+                  visit_heads: int | None = None) -> list[list[Step]]:
     """Steps of every program of a persistent grid, head-major items.
 
     Program p takes items p, p+P, ...; except under causal ``recompute`` and ``atomic``, where the
@@ -162,7 +164,7 @@ def program_plans(schedule: str, *, n_tiles: int, n_heads: int, programs: int, c
     for index in range(n_heads * per_head):
         head, item = divmod(index, per_head)
         steps = item_steps(item, n_q, n_tiles, causal, schedule, head=head, group=group,
-                           heads_outer=heads_outer)
+                           visit_heads=visit_heads)
         if catalog.is_ordered(schedule) or not causal or index < programs:
             program = index % programs
         else:  # the kernel's work counter: whichever program frees up first takes the next item
@@ -266,7 +268,7 @@ def _dq_pass_plans(n_q: int, n_kv: int, n_heads: int, programs: int, causal: boo
 
 def simulate(schedule: str, *, n_tiles: int, n_heads: int, programs: int, causal: bool,
              c: float = 1.0, r: float = 0.25, group: int = 1, n_q_tiles: int | None = None,
-             heads_outer: bool = False) -> Simulation:
+             visit_heads: int | None = None) -> Simulation:
     """Simulate the DAG of one backward on a persistent grid of ``programs`` programs.
 
     ``n_tiles`` KV tiles and ``n_q_tiles`` (default ``n_tiles``) Q tiles per head, ``n_heads``
@@ -278,7 +280,8 @@ def simulate(schedule: str, *, n_tiles: int, n_heads: int, programs: int, causal
     if not c > 0 or not r >= 0:
         raise ValueError(f"costs must satisfy c > 0 and r >= 0, got c={c!r}, r={r!r}")
     plans = program_plans(schedule, n_tiles=n_tiles, n_heads=n_heads, programs=programs,
-                          causal=causal, group=group, n_q_tiles=n_q_tiles, heads_outer=heads_outer)
+                          causal=causal, group=group, n_q_tiles=n_q_tiles,
+                          visit_heads=visit_heads)
     if not catalog.get(schedule).separate_dq:
         return run_plans(plans, catalog.is_ordered(schedule), c, r)
     n_q = n_tiles if n_q_tiles is None else n_q_tiles

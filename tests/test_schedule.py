@@ -103,14 +103,14 @@ def test_dealing_by_counter_balances_causal_items_when_programs_barely_exceed_ti
     assert sim.makespan < 1.2 * mean < 0.75 * max(head_major)
 
 
-@pytest.mark.parametrize("heads_outer", [False, True], ids=["slots-outer", "heads-outer"])
+@pytest.mark.parametrize("visit_heads", [None, 1, 2], ids=["slots-outer", "1-head", "2-heads"])
 @pytest.mark.parametrize("group", [2, 3, 4, 8])
 @pytest.mark.parametrize("n", [4, 6, 9, 16])
-def test_causal_shift_stays_zero_idle_with_gqa(n, group, heads_outer):
+def test_causal_shift_stays_zero_idle_with_gqa(n, group, visit_heads):
     """Whether an item visits every query head of a group per KV tile (the portable kernel) or
-    both KV tiles per query head (the Hopper kernel), its waits must not compound."""
+    both KV tiles per one or two query heads (the Hopper kernel), its waits must not compound."""
     sim = S.simulate("shift", n_tiles=n, n_heads=4, programs=n + n % 2, causal=True, group=group,
-                     c=1.0, r=0.25, heads_outer=heads_outer)
+                     c=1.0, r=0.25, visit_heads=visit_heads)
     assert sim.stall == [0.0] * (n + n % 2)
     longest = n + 1
     assert sim.makespan == 2 * group * longest * 1.25
@@ -118,16 +118,18 @@ def test_causal_shift_stays_zero_idle_with_gqa(n, group, heads_outer):
 
 @pytest.mark.parametrize("group", [2, 4])
 @pytest.mark.parametrize("n", [6, 16])
-def test_heads_outer_keeps_a_kv_heads_items_on_one_query_head(n, group):
+def test_visits_by_head_keep_a_kv_heads_items_on_few_query_heads(n, group):
     """Head by head, every item of a KV head is on the same query head at every step (so the
-    items in flight share that head's dQ, Q and dO); tile by tile, they spread over the group."""
-    def query_heads_in_flight(heads_outer):
+    items in flight share that head's dQ, Q and dO); two heads a visit, on at most two; tile by
+    tile, they spread over the group."""
+    def query_heads_in_flight(visit_heads):
         plans = S.program_plans("shift", n_tiles=n, n_heads=1, programs=(n + 1) // 2,
-                                causal=True, group=group, heads_outer=heads_outer)
+                                causal=True, group=group, visit_heads=visit_heads)
         return max(len({plan[t].qhead for plan in plans if t < len(plan)})
                    for t in range(max(map(len, plans))))
-    assert query_heads_in_flight(True) == 1
-    assert query_heads_in_flight(False) > 1
+    assert query_heads_in_flight(1) == 1
+    assert query_heads_in_flight(2) == 2
+    assert query_heads_in_flight(None) > 2 or group == 2
 
 
 def _program_counts(rng, schedule, n_kv, causal):
