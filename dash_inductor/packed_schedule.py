@@ -8,8 +8,7 @@ gives every (sequence, KV head) the work items of the *longest* sequence; the it
 sequence does not have are drawn and skipped (the portable kernel, and the Hopper kernel's
 schedules other than ``shift``). The unpadded deal lists the real items only (the Hopper kernel's
 ``shift``, ``ops/hopper/deal.py``). (The portable kernel deals causal unordered items by a work
-counter instead, and the Hopper ``shift`` claims its unpadded items after each program's first
-from a counter as programs free up; those deals are not modelled here.) :func:`packed_plans` builds either deal
+counter instead; that deal is not modelled here.) :func:`packed_plans` builds either deal
 (``pad``), :func:`simulate_packed` runs it.
 
 In this model, three causal documents of 59, 29 and 42 tiles on 132 programs with 16 heads

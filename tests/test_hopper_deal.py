@@ -100,18 +100,3 @@ def test_only_schedules_whose_items_run_at_once_deal_unpadded():
         assert not unpadded_deal(cfg, name, False)
     assert any(unpadded_deal(cfg, name, True) for name in catalog.NAMES)
     assert not unpadded_deal(HopperBackwardConfig(unpadded_deal=False), "shift", True)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_only_the_unpadded_deal_is_claimed(causal):
-    """The load partition claims work from the counter exactly where the deal is unpadded (the
-    dense and padded deals keep each program's fixed indices), unless the config turns it off."""
-    from dash_inductor.ops.hopper.config import HopperBackwardConfig, backward_constexprs
-
-    cfg = HopperBackwardConfig()
-    for name in catalog.NAMES:
-        for varlen in (False, True):
-            constexprs = backward_constexprs(name, causal, 1, False, cfg, varlen=varlen)
-            assert constexprs["CLAIMED"] == constexprs["UNPADDED"]
-    off = HopperBackwardConfig(claimed_deal=False)
-    assert not backward_constexprs("shift", causal, 1, False, off, varlen=True)["CLAIMED"]

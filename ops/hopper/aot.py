@@ -51,7 +51,8 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
                  "lse_desc": stats_block, "delta_desc": stats_block, "dq_desc": dq_block,
                  "DK": f"*{dtype}", "DV": f"*{dtype}",
                  "DQACC": "*fp32", "STASH": "*fp32", "TICKETS": "*i32", "ERR": "*i32",
-                 "COUNTER": "*i32", "CU_Q": "*i32", "CU_K": "*i32", "PREFIX": "*i32"}
+                 "CU_Q": "*i32",
+                 "CU_K": "*i32", "PREFIX": "*i32"}
     signature.update({name: "i64" for name in ("stride_dkb", "stride_dkh", "stride_dkn",
                                                "stride_dvb", "stride_dvh", "stride_dvn")})
     signature.update({name: "i32" for name in ("HQ", "HKV", "L", "S", "n_q", "n_kv", "max_q",

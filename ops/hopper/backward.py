@@ -22,13 +22,11 @@ dS^T goes through shared memory once to feed dQ = dS K.
 WINDOW (a sliding window) and VARLEN (packed sequences, ``ops/packed.py``'s virtual batch) walk
 the tiles as the portable kernel does (``walk.py``). A packed sequence's TMA boxes may reach into
 its neighbours (or past the tensor, where TMA reads zeros): the compute warps zero such rows of a
-boundary tile in shared memory before any MMA reads it and mask P and delta to the sequence, and
-the writer adds only the sequence's rows, so no value of a neighbour (not even a NaN) reaches a
+boundary tile in shared memory before any MMA reads it and mask P to the sequence's keys (its
+rows outside get P = 0 from their stats), and the writer adds only the sequence's rows, so no value of a neighbour (not even a NaN) reaches a
 sequence's gradients, and its bits do not depend on what is packed beside it. The row stats of
 packed sequences come from a layout where every TMA box starts 16-byte aligned and holds no
-other sequence's rows (``packed_prep.py``), so a step masks only the keys. Under ``shift``
-packed items are claimed as programs free up: the load partition claims each and hands it to
-the other two (``deal.py``).
+other sequence's rows (``packed_prep.py``), so a step masks only the keys.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
-from . import deal, walk
+from . import walk
 from .dq_writer import dq_writer_partition
 from .primitives import (LAST_NAMED_BARRIER, named_barrier_arrive, partition_barrier, tma_load,
                          zero_outside)
@@ -92,20 +90,17 @@ def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                    work_slots, work_ready, work_empty, COUNTER,
                     CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                     stats_stride, win_left, win_right, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                     HEADS_OUTER: gl.constexpr, VISIT_HEADS: gl.constexpr, VISITS: gl.constexpr,
-                    UNPADDED: gl.constexpr, CLAIMED: gl.constexpr):
+                    UNPADDED: gl.constexpr):
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     it = 0
     tile = 0
     works = walk.work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED)
-    work = deal.first_work(work_slots, work_ready, work_empty, True, CLAIMED, 1)
-    n = 1
-    while work < works:
+    for work in range(gl.program_id(0), works, gl.num_programs(0)):
         b, hkv, item = walk.work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED)
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
@@ -121,9 +116,6 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                                       g_hi, batch, q_start, k_start, q_lo, q_hi,
                                       tiles_q, tiles_kv, HQ, stats_stride, win_left, win_right, it,
                                       tile, GROUP, CAUSAL, SCHEDULE, WINDOW, VARLEN)
-        work = deal.next_work(work, n, COUNTER, work_slots, work_ready, work_empty, True,
-                              CLAIMED, 1)
-        n += 1
 
 
 @gluon.jit
@@ -248,8 +240,7 @@ def _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb, st
 
 @gluon.jit
 def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
-                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, work_slots,
-                       work_ready, work_empty, COUNTER, DK, DV, STASH,
+                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, STASH,
                        CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
                        stride_dvh, stride_dvn,
                        HQ, HKV, L, S, n_q, n_kv, max_q, max_k, win_left, win_right,
@@ -260,7 +251,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                        NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
                        HANDOFF_THREADS: gl.constexpr, HEADS_OUTER: gl.constexpr,
                        VISIT_HEADS: gl.constexpr, VISITS: gl.constexpr, UNPADDED: gl.constexpr,
-                       CLAIMED: gl.constexpr, num_warps: gl.constexpr):
+                       num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -281,9 +272,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
     it = 0
     tile = 0
     works = walk.work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED)
-    work = deal.first_work(work_slots, work_ready, work_empty, False, CLAIMED, num_warps)
-    n = 1
-    while work < works:
+    for work in range(gl.program_id(0), works, gl.num_programs(0)):
         b, hkv, item = walk.work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED)
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
@@ -343,14 +332,11 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                     _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb,
                                  stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                                  sm_scale, offs_kn, offs_kd, dtype)
-        work = deal.next_work(work, n, COUNTER, work_slots, work_ready, work_empty, False,
-                              CLAIMED, num_warps)
-        n += 1
 
 
 @gluon.jit
 def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, DQACC,
-                    STASH, TICKETS, ERR, COUNTER, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh,
+                    STASH, TICKETS, ERR, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh,
                     stride_dkn, stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv,
                     max_q, max_k, row_stride, stats_stride, win_left, win_right,
                     items_per_head, total_items, qk_scale,
@@ -362,7 +348,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
                     DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
                     HEADS_OUTER: gl.constexpr, VISIT_HEADS: gl.constexpr,
-                    UNPADDED: gl.constexpr, CLAIMED: gl.constexpr, LOAD_REGS: gl.constexpr,
+                    UNPADDED: gl.constexpr, LOAD_REGS: gl.constexpr,
                     WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
@@ -372,10 +358,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     (Hq, row_stride) by packed row, the stats over (Hq, stats_stride) with sequence b's rows from
     ``packed_prep.stats_start``; batch entry b is sequence b of the offsets CU_Q, CU_K (L, S:
     totals); UNPADDED: the items are dealt by PREFIX (``deal.py``), else every sequence has
-    ``items_per_head``; CLAIMED: each program's items after its first are claimed from COUNTER
-    (zero) by the load partition (``deal.py``). HEADS_OUTER: STASH holds each program's fp32 dK
-    and dV of its items' KV tiles between their query heads, (programs, NUM_SLOTS, 2, BLOCK_N,
-    D).
+    ``items_per_head``. HEADS_OUTER: STASH holds each program's fp32 dK and dV of its items' KV
+    tiles between their query heads, (programs, NUM_SLOTS, 2, BLOCK_N, D).
     """
     dtype: gl.constexpr = q_desc.dtype
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -414,11 +398,6 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    # CLAIMED: a ring of two work indices from the load partition to the other two.
-    work_slots = gl.allocate_shared_memory(gl.int32, [2, 32],
-                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    work_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    work_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
@@ -427,35 +406,28 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
         mbarrier.init(dq_empty.index(i), count=1)
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(kv_empty, count=1)
-    if CLAIMED:
-        for i in gl.static_range(2):
-            mbarrier.init(work_ready.index(i), count=1)
-            mbarrier.init(work_empty.index(i), count=2 if COMPUTE_DQ else 1)
 
     gl.warp_specialize([
         (_compute_partition, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
-                              q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty,
-                              work_slots, work_ready, work_empty, COUNTER, DK, DV,
+                              q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV,
                               STASH, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh, stride_dkn,
                               stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q,
                               max_k,
                               win_left, win_right, items_per_head, total_items, qk_scale, sm_scale,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, HANDOFF_THREADS,
-                              HEADS_OUTER, VISIT_HEADS, VISITS, UNPADDED, CLAIMED, num_warps)),
+                              HEADS_OUTER, VISIT_HEADS, VISITS, UNPADDED, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                           work_slots, work_ready, work_empty, COUNTER,
                            CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                            stats_stride, win_left, win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, HEADS_OUTER,
-                           VISIT_HEADS, VISITS, UNPADDED, CLAIMED)),
-        (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slots,
-                               work_ready, work_empty, COUNTER, DQACC, TICKETS,
+                           VISIT_HEADS, VISITS, UNPADDED)),
+        (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS,
                                ERR, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                                row_stride, win_left, win_right, items_per_head, total_items,
                                max_spin, GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ,
                                ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA, WRITER_FREES,
                                DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS, HEADS_OUTER,
-                               VISIT_HEADS, VISITS, UNPADDED, CLAIMED)),
+                               VISIT_HEADS, VISITS, UNPADDED)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

@@ -75,18 +75,14 @@ class HopperBackwardConfig:
     (:func:`ordered_programs`); ``heads_outer``: a causal item of a GQA group visits its two KV
     tiles once per query head, keeping the tiles' dK and dV in global memory in between
     (:func:`heads_outer`), ``visit_heads`` query heads at a visit; ``unpadded_deal``: packed
-    sequences' items are dealt without the padding items of the padded deal (``deal.py``) under
-    the schedules whose items of a head must run at once (``shift``): on three documents of
-    7429, 3667 and 5288 tokens (H100, d128,
+    sequences' items are dealt without the padding items of the padded deal (``deal.py``) under the schedules whose items of a head
+    must run at once (``shift``): on three documents of 7429, 3667 and 5288 tokens (H100, d128,
     causal) ``shift`` took 2.84-2.86 ms against 3.25, unmasked 4.56-4.62 against 5.34, with the
     same bits; ``descending`` and ``atomic`` were 3-6% slower unpadded there, so they keep the
-    padded deal; ``claimed_deal``: the unpadded deal's items after each program's first are
-    claimed from a counter as programs free up (``deal.py``; H100, bits equal, kernel time: d128
-    three documents causal 2.334 -> 2.299 ms, unmasked 4.226 -> 4.141, one 16k sequence 5.296
-    -> 5.197, equal packings and d64 within 1%). Three Q/dO stages and one dQ buffer measured
-    faster than two and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an H100;
-    with the TMA writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower causal in
-    one run (411 vs 424; 16k causal 462 vs 465), so one config serves both. The TMA writer measured
+    padded deal. Three Q/dO stages and one dQ buffer measured faster than two
+    and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an H100; with the TMA
+    writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower causal in one run
+    (411 vs 424; 16k causal 462 vs 465), so one config serves both. The TMA writer measured
     faster at d128 (H100, 4k full shift 469 vs 441, descending 421 vs 364, causal shift 415 vs
     403) and within 2% at d64 (shift 344 vs 349, atomic 400 vs 363).
     """
@@ -106,7 +102,6 @@ class HopperBackwardConfig:
     heads_outer: bool = True
     visit_heads: int = 2
     unpadded_deal: bool = True
-    claimed_deal: bool = True
 
 
 def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
@@ -224,6 +219,5 @@ def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
                 HEADS_OUTER=heads_outer(cfg, sched.slots(causal), group, window, varlen),
                 VISIT_HEADS=math.gcd(cfg.visit_heads, group),
                 UNPADDED=unpadded_deal(cfg, schedule, varlen),
-                CLAIMED=unpadded_deal(cfg, schedule, varlen) and cfg.claimed_deal,
                 LOAD_REGS=cfg.load_regs,
                 WRITER_REGS=cfg.writer_regs, num_warps=cfg.num_warps)

@@ -8,7 +8,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from . import deal, walk
+from . import walk
 from .primitives import (LAST_NAMED_BARRIER, named_barrier_sync, partition_barrier, red_add,
                          red_add_rows, tma_add, tma_adds_performed)
 
@@ -24,8 +24,7 @@ def _take_partial(dq_ready, it, NAMED_HANDOFF: gl.constexpr, HANDOFF_THREADS: gl
 
 
 @gluon.jit
-def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slots, work_ready,
-                        work_empty, COUNTER, DQACC, TICKETS, ERR,
+def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, ERR,
                         CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride,
                         win_left, win_right, items_per_head, total_items, max_spin,
                         GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
@@ -34,8 +33,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slot
                         VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
                         PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
                         HANDOFF_THREADS: gl.constexpr, HEADS_OUTER: gl.constexpr,
-                        VISIT_HEADS: gl.constexpr, VISITS: gl.constexpr, UNPADDED: gl.constexpr,
-                        CLAIMED: gl.constexpr):
+                        VISIT_HEADS: gl.constexpr, VISITS: gl.constexpr, UNPADDED: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
     TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
     with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release a
@@ -44,8 +42,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slot
     step fewer for them, each of which costs them two barriers). NAMED_HANDOFF: the partial
     comes on a named barrier of HANDOFF_THREADS threads, else on the ``dq_ready`` mbarrier.
     HEADS_OUTER: an item visits its KV tiles once per VISIT_HEADS query heads
-    (``walk.visit_heads``), VISITS times in all. CLAIMED: the work indices come from the load
-    partition (``deal.next_work``)."""
+    (``walk.visit_heads``), VISITS times in all."""
     if not COMPUTE_DQ:
         return
     DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
@@ -60,9 +57,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slot
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
     it = 0
     works = walk.work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED)
-    work = deal.first_work(work_slots, work_ready, work_empty, False, CLAIMED, 1)
-    n = 1
-    while work < works:
+    for work in range(gl.program_id(0), works, gl.num_programs(0)):
         b, hkv, item = walk.work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED)
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
@@ -138,6 +133,3 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slot
                                 partition_barrier()
                                 gl.atomic_add(ticket, 1, sem="release")
                             it += 1
-        work = deal.next_work(work, n, COUNTER, work_slots, work_ready, work_empty, False,
-                              CLAIMED, 1)
-        n += 1

@@ -187,15 +187,14 @@ def _geometry(schedule: catalog.Schedule, cfg: HopperBackwardConfig, batch: int,
 
 
 def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor | None,
-            tickets: torch.Tensor, flags: torch.Tensor, packed: tuple | None,
+            tickets: torch.Tensor, error_flag: torch.Tensor, packed: tuple | None,
             prefix: torch.Tensor | None, sizes: tuple[int, ...], schedule: catalog.Schedule,
             cfg: HopperBackwardConfig, *, is_causal: bool, window: tuple[int, int], scale: float,
             max_spin: int, even_s: bool) -> tuple[int]:
     """One launch of the backward kernel over (B, H, N, D) ``views`` = (q, k, v, grad_out, dk,
     dv); ``sizes`` = (batch entries, L, S, Q tiles, KV tiles, rows per head of the dQ
     accumulator, of the stats); ``dq_acc`` None when dQ is computed apart; ``tickets`` and
-    ``flags`` (the spin error flag, the work counter) zeros; ``prefix`` the unpadded deal's
-    (``packed_prep.py``); return the grid."""
+    ``error_flag`` zeros; ``prefix`` the unpadded deal's (``packed_prep.py``); return the grid."""
     q, k, v, grad_out, dk, dv = views
     batch, seq_q, seq_k, n_q, n_kv, row_stride, stats_stride = sizes
     hq, hkv = q.shape[1], k.shape[1]
@@ -213,7 +212,7 @@ def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor | None,
         _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
         _row_descriptor(stats[1], cfg.block_m),
         _accumulator_descriptor(dq_acc, cfg.block_m, q.shape[3], q.device), dk, dv,
-        stats if dq_acc is None else dq_acc, stash, tickets, flags[:1], flags[1:2], cu_q, cu_k,
+        stats if dq_acc is None else dq_acc, stash, tickets, error_flag, cu_q, cu_k,
         tickets if prefix is None else prefix,
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2),
         hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, stats_stride, *window,
@@ -260,7 +259,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         out, grad_out, lse, row_stride=rows, acc_rows=rows,
         acc_dim=0 if schedule.separate_dq else head_d, ticket_rows=cfg.block_m, with_lse2=True)
     error_flag = flags[:1]
-    grid = _launch((q, k, v, grad_out, dk, dv), stats, dq_acc, tickets, flags, None, None,
+    grid = _launch((q, k, v, grad_out, dk, dv), stats, dq_acc, tickets, error_flag, None, None,
                    (batch, seq_q, seq_k, n_q, n_kv, rows, rows), schedule, cfg, is_causal=is_causal,
                    window=window, scale=scale, max_spin=max_spin,
                    even_s=seq_k % cfg.block_n == 0)
@@ -318,7 +317,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     tickets, flags = zeroed_tickets(hq * tq, q.device)
     error_flag = flags[:1]
     dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
-    grid = _launch((q4, k4, v4, do4, dk4, dv4), stats, dq_acc, tickets, flags, packed,
+    grid = _launch((q4, k4, v4, do4, dk4, dv4), stats, dq_acc, tickets, error_flag, packed,
                    prefix, (num_seqs, tq, tk, n_q, n_kv, tq, stats_stride), schedule, cfg,
                    is_causal=is_causal, window=window, scale=scale, max_spin=max_spin,
                    even_s=False)

@@ -2,10 +2,8 @@
 
 Each partition (loader, compute, dQ writer) walks the same items, KV tiles and steps on its own, so
 all three must agree on every count and skip: they do, by calling these functions with the same
-arguments (and, where the deal is claimed, on the work indices the loader hands them,
-``deal.py``). The schedules' formulas are those of the portable kernel (``ops/schedules.py``),
-and so are the geometry of packed sequences and windows (``ops/backward.py``;
-``ops/tiles.py``):
+arguments. The schedules' formulas are those of the portable kernel (``ops/schedules.py``), and
+so are the geometry of packed sequences and windows (``ops/backward.py``; ``ops/tiles.py``):
 
 - a work item of sequence ``b`` (VARLEN: the virtual batch of ``ops/packed.py``) counts its tiles
   from that sequence's bounds; causal and windows are aligned bottom-right by shifting the tile
