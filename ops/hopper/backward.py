@@ -19,14 +19,15 @@ al. 2024, and of DASH's dQ writer, Qiang et al. 2026):
 Queries sit along dim 1 of S^T (keys along dim 0), so dK and dV accumulate from registers, and
 dS^T goes through shared memory once to feed dQ = dS K.
 
-WINDOW (a sliding window) and VARLEN (packed sequences, ``ops/packed.py``'s virtual batch) walk
-the tiles as the portable kernel does (``walk.py``). A packed sequence's TMA boxes may reach into
-its neighbours (or past the tensor, where TMA reads zeros): the compute warps zero such rows of a
-boundary tile in shared memory before any MMA reads it and mask P to the sequence's keys (its
-rows outside get P = 0 from their stats), and the writer adds only the sequence's rows, so no value of a neighbour (not even a NaN) reaches a
-sequence's gradients, and its bits do not depend on what is packed beside it. The row stats of
-packed sequences come from a layout where every TMA box starts 16-byte aligned and holds no
-other sequence's rows (``packed_prep.py``), so a step masks only the keys.
+WINDOW (a sliding window) and VARLEN (packed sequences, ``ops/packed.py``'s virtual batch) walk the
+tiles as the portable kernel does (``walk.py``). A packed sequence's TMA boxes may reach into its
+neighbours (or past the tensor, where TMA reads zeros): the compute warps zero such rows of a
+boundary tile in shared memory before any MMA reads it and mask P to the sequence's keys (its rows
+outside get P = 0 from their stats), and the writer adds only the sequence's rows, so no value of a
+neighbour (not even a NaN) reaches a sequence's gradients, and its bits do not depend on what is
+packed beside it. The row stats of packed sequences come from a layout where every TMA box starts
+16-byte aligned and holds no other sequence's rows (``packed_prep.py``), so a step masks only the
+keys.
 """
 
 from __future__ import annotations

@@ -63,28 +63,28 @@ class HopperBackwardConfig:
 
     ``block_n`` KV rows per tile (split over the two compute warpgroups), ``block_m`` query rows per
     step; ``stages`` Q/dO buffers in flight; ``dq_stages`` dQ partials the compute warps may run
-    ahead of the dQ writer; ``dk_in_flight``: dK's MMA reads dS^T from shared memory and stays in
-    flight into the next step (else it reads registers and retires in its step); registers per
-    worker partition (setmaxnreg); ``dq_tma``: the dQ writer adds each partial with one TMA
+    ahead of the dQ writer; ``dk_in_flight``: dK's MMA reads dS^T from shared memory and stays
+    in flight into the next step (else it reads registers and retires in its step); registers
+    per worker partition (setmaxnreg); ``dq_tma``: the dQ writer adds each partial with one TMA
     reduce-add, else with ``red.v4`` adds from registers; ``named_handoff``: the compute warps
     hand each partial to the writer on a named barrier, every thread arriving on its own (an
-    mbarrier arrive costs them two barriers over both warpgroups), and the writer frees the
-    Q/dO stages, else the partial goes through an mbarrier and the stages are freed by the
-    compute warps (by the writer too when dK is in flight); ``aligned_grid``: an ordered
-    schedule with equally long items runs on a whole number of heads' worth of programs
+    mbarrier arrive costs them two barriers over both warpgroups), and the writer frees the Q/dO
+    stages, else the partial goes through an mbarrier and the stages are freed by the compute
+    warps (by the writer too when dK is in flight); ``aligned_grid``: an ordered schedule with
+    equally long items runs on a whole number of heads' worth of programs
     (:func:`ordered_programs`); ``heads_outer``: a causal item of a GQA group visits its two KV
     tiles once per query head, keeping the tiles' dK and dV in global memory in between
     (:func:`heads_outer`), ``visit_heads`` query heads at a visit; ``unpadded_deal``: packed
-    sequences' items are dealt without the padding items of the padded deal (``deal.py``) under the schedules whose items of a head
-    must run at once (``shift``): on three documents of 7429, 3667 and 5288 tokens (H100, d128,
-    causal) ``shift`` took 2.84-2.86 ms against 3.25, unmasked 4.56-4.62 against 5.34, with the
-    same bits; ``descending`` and ``atomic`` were 3-6% slower unpadded there, so they keep the
-    padded deal. Three Q/dO stages and one dQ buffer measured faster than two
-    and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an H100; with the TMA
-    writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower causal in one run
-    (411 vs 424; 16k causal 462 vs 465), so one config serves both. The TMA writer measured
-    faster at d128 (H100, 4k full shift 469 vs 441, descending 421 vs 364, causal shift 415 vs
-    403) and within 2% at d64 (shift 344 vs 349, atomic 400 vs 363).
+    sequences' items are dealt without the padding items of the padded deal (``deal.py``) under
+    the schedules whose items of a head must run at once (``shift``): on three documents of
+    7429, 3667 and 5288 tokens (H100, d128, causal) ``shift`` took 2.84-2.86 ms against 3.25,
+    unmasked 4.56-4.62 against 5.34, with the same bits; ``descending`` and ``atomic`` were 3-6%
+    slower unpadded there, so they keep the padded deal. Three Q/dO stages and one dQ buffer
+    measured faster than two and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an
+    H100; with the TMA writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower
+    causal in one run (411 vs 424; 16k causal 462 vs 465), so one config serves both. The TMA
+    writer measured faster at d128 (H100, 4k full shift 469 vs 441, descending 421 vs 364,
+    causal shift 415 vs 403) and within 2% at d64 (shift 344 vs 349, atomic 400 vs 363).
     """
 
     block_m: int = 64
