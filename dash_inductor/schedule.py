@@ -95,7 +95,7 @@ def window_q_range(kv: int, n_q: int, block: int, left: int, right: int,
     if causal:
         lo = max(lo, kv * block)
     hi = min(kv * block + block - 1 + left, n_q * block - 1) if left >= 0 else n_q * block - 1
-    return lo // block, max(hi // block - lo // block + 1, 0)
+    return lo // block, hi // block - lo // block + 1 if hi >= lo else 0
 
 
 def window_q_tile_at(step: int, first: int, count: int, schedule: str) -> int:

@@ -24,6 +24,7 @@ from . import config, packing, reference, reference_varlen
 from .library import (_MAX_SPIN, _check_choices, _ops, _record, _uses_triton, check_schedule_allowed,
                       forbid_double_backward)
 from .ops.dispatch import HOPPER
+from .shapes import unfilled
 from .window import NO_WINDOW, Window, check_window, with_causal
 
 try:
@@ -194,6 +195,7 @@ def _per_sequence_backward(grad_out, query, key, value, out, lse, segments, scal
 
 
 @varlen_attention_backward_op.register_kernel(("cpu", "cuda"))
+@unfilled()
 def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_q, cu_seq_k, max_q,
                             max_k, scale, window_size, enable_gqa, schedule="auto",
                             max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
@@ -202,8 +204,12 @@ def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_
                                   window_size, enable_gqa)
     segments = _segments(query, key, cu_seq_q, cu_seq_k, max_q, max_k, cpu_backend, kernel_path)
     # Laid out as the inputs (as SDPA's gradients are), so that autograd does not copy them to
-    # the leaves' strides: a (T, H, D) view of (H, T, D) memory gets (H, T, D) gradients.
-    grads = tuple(torch.zeros_like(t) for t in (query, key, value))
+    # the leaves' strides: a (T, H, D) view of (H, T, D) memory gets (H, T, D) gradients. The
+    # packed kernels write every element (keys without queries included); the per-sequence
+    # launches and the reference leave such keys alone.
+    packed_kernels = _uses_triton(query, cpu_backend) and not _per_sequence(query, kernel_path)
+    allocate = torch.empty_like if packed_kernels else torch.zeros_like
+    grads = tuple(allocate(t) for t in (query, key, value))
     if not _uses_triton(query, cpu_backend):
         reference_varlen.backward(grad_out, query, key, value, out, logsumexp, segments,
                                   _scale(query, scale), window, *grads)

@@ -136,8 +136,9 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                     dk: torch.Tensor, dv: torch.Tensor, *, is_causal: bool, scale: float,
                     schedule: str = "auto", max_spin: int = 1 << 26, kernel: str = "auto",
                     config=None, window: tuple[int, int] = (-1, -1)) -> Plan:
-    """Write the packed gradients into ``dq``, ``dk``, ``dv`` (``dk`` and ``dv`` must hold zeros:
-    keys of a sequence without queries are not stored), one launch per kernel; return what ran.
+    """Write every element of the packed gradients ``dq``, ``dk``, ``dv`` (a sequence without
+    queries has KV tiles that no Q tile visits, so its keys get zeros: ``tiles.sequence_tiles``),
+    one launch per kernel; return what ran.
 
     ``lse`` is the forward's (Hq, Tq). Every schedule's tile walks and reduction ranks are those
     of each sequence alone: the kernel counts a sequence's tiles from its bounds, and aligns the
@@ -168,7 +169,8 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                                       max_spin=max_spin, window=window,
                                       schedule_requested=schedule, kernel_reason=reason)
     if not (num_seqs and n_q and n_kv and tq and tk):  # no sequence has both queries and keys
-        dq.zero_()
+        for grad in (dq, dk, dv):
+            grad.zero_()
         return Plan("backward", PORTABLE, reason, schedule, requested.name, None, (), cfg)
     q4, k4, v4, do4, out4, dq4, dk4, dv4 = (_virtual(t, num_seqs)
                                             for t in (q, k, v, grad_out, out, dq, dk, dv))

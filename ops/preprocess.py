@@ -3,8 +3,10 @@
 Per block of rows of one (batch, head) it writes delta = rowsum(dO * O) in fp32, the softmax
 backward's term shared by every KV tile of a row; for the Hopper kernel also the logsumexp in the
 exp2 domain beside it (the load warp brings both rows in by TMA, padded rows included); and the
-zeros the main kernel accumulates into: the block's rows of the fp32 dQ accumulator, its dQ tickets
-and the launch's two flags. FlashAttention-3's preprocess clears its dQ accumulator the same way.
+zeros the main kernel accumulates into: the block's rows of the fp32 dQ accumulator (unless the
+kernel stores each row's first partial, as the Hopper kernel's ordered dQ writer does), its dQ
+tickets and the launch's two flags. FlashAttention-3's preprocess clears its dQ accumulator the
+same way.
 One launch instead of a kernel and half a dozen fills matters because a training step at N = 4k
 waits on the backward's host time (docs/benchmarks.md).
 """
@@ -94,14 +96,16 @@ class Prepared(NamedTuple):
 
 
 def prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, *, row_stride: int,
-            acc_rows: int, acc_dim: int, ticket_rows: int, with_lse2: bool) -> Prepared:
+            acc_rows: int, acc_dim: int, ticket_rows: int, with_lse2: bool,
+            clear_acc: bool = True) -> Prepared:
     """Everything the dense backward kernels read besides the inputs, in one launch.
 
     ``out``/``grad_out`` (B, Hq, L, Ev), ``lse`` contiguous fp32 (B, Hq, L). Stats of ``row_stride``
     rows a head (L, or the padded rows of the Hopper kernel's TMA boxes, ``with_lse2``: then
     (2, B * Hq * row_stride)); a dQ accumulator (B * Hq, ``acc_rows``, ``acc_dim``, a power of
-    two) unless ``acc_dim`` is 0; a ticket per ``ticket_rows`` (a power of two) of
-    ``acc_rows``, then :data:`FLAGS` flags.
+    two) unless ``acc_dim`` is 0, zeroed unless not ``clear_acc`` (for a kernel that writes every
+    row it reads back); a ticket per ``ticket_rows`` (a power of two) of ``acc_rows``, then
+    :data:`FLAGS` flags.
     """
     batch, hq, seq_q, ev = out.shape
     heads, device = batch * hq, out.device
@@ -117,7 +121,7 @@ def prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, *, row
         out, grad_out, lse, stats, buffer if dq_acc is None else dq_acc, buffer,
         *out.stride(), *grad_out.stride(), hq, seq_q, row_stride, heads * row_stride, acc_rows,
         n_tickets, EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=block, WITH_LSE2=with_lse2,
-        HEAD_ACC=acc_dim, CLEAR=True, TICKET_ROWS=ticket_rows, N_FLAGS=FLAGS)
+        HEAD_ACC=acc_dim if clear_acc else 0, CLEAR=True, TICKET_ROWS=ticket_rows, N_FLAGS=FLAGS)
     stats = stats if with_lse2 else stats.view(heads, row_stride)
     return Prepared(stats, dq_acc, buffer[:n_tickets], buffer[n_tickets:])
 

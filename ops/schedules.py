@@ -128,7 +128,8 @@ def window_q_range(kv, n_q, BLOCK, left, right, CAUSAL: tl.constexpr):
     hi = tl.where(left >= 0, tl.minimum(kv * BLOCK + BLOCK - 1 + left, n_q * BLOCK - 1),
                   n_q * BLOCK - 1)
     first = lo // BLOCK
-    return first, tl.maximum(hi // BLOCK - first + 1, 0)
+    # Integer division truncates here: an empty range (no Q tile, hi = -1) must not count one.
+    return first, tl.where(hi >= lo, hi // BLOCK - first + 1, 0)
 
 
 @triton.jit

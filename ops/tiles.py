@@ -120,15 +120,17 @@ def sequence_tiles(CU_Q, CU_K, seq, total_q, total_k, max_q, max_k, BLOCK_N: tl.
                    ALIGNED: tl.constexpr):
     """(first query row, first key row, q_lo, q_hi, k_lo, k_hi, Q tiles, KV tiles) of packed
     sequence ``seq`` in the backward's tile coordinates (``diagonal_origin``): rows [q_lo, q_hi)
-    and keys [k_lo, k_hi) are real. A sequence without queries or keys has no tiles. One
-    definition for every kernel that walks a packed sequence's tiles, so that they agree."""
+    and keys [k_lo, k_hi) are real. A sequence without keys has no tiles; one without queries
+    has its KV tiles and no Q tile, so that the kernels write its keys' zero gradients and the
+    callers need not clear them. One definition for every kernel that walks a packed sequence's
+    tiles, so that they agree."""
     q0, seq_l, k0, seq_s = sequence_bounds(CU_Q, CU_K, seq, total_q, total_k, max_q, max_k)
     q_lo, k_lo = diagonal_origin(seq_l, seq_s, ALIGNED)
     q_hi = q_lo + seq_l
     k_hi = k_lo + seq_s
-    some = ((seq_l > 0) & (seq_s > 0)).to(tl.int32)
-    return (q0, k0, q_lo, q_hi, k_lo, k_hi, tl.cdiv(q_hi, BLOCK_N) * some,
-            tl.cdiv(k_hi, BLOCK_N) * some)
+    keys = (seq_s > 0).to(tl.int32)
+    return (q0, k0, q_lo, q_hi, k_lo, k_hi, tl.cdiv(q_hi, BLOCK_N) * keys * (seq_l > 0).to(tl.int32),
+            tl.cdiv(k_hi, BLOCK_N) * keys)
 
 
 @triton.jit

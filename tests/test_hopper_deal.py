@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dash_inductor import schedule
@@ -35,8 +35,9 @@ def item_prefix(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: i
 
 
 def _tiles_kv(len_q: int, len_k: int, aligned: bool) -> int:
-    """KV tiles of a sequence: keys shifted right by L - S when aligned (bottom-right)."""
-    if not (len_q and len_k):
+    """KV tiles of a sequence: keys shifted right by L - S when aligned (bottom-right); none
+    without keys, all of them without queries (their gradients are written as zeros)."""
+    if not len_k:
         return 0
     k_lo = max(len_q - len_k, 0) if aligned else 0
     return -(-(k_lo + len_k) // BLOCK_N)
@@ -46,6 +47,7 @@ def _tiles_kv(len_q: int, len_k: int, aligned: bool) -> int:
 @given(lengths=st.lists(st.tuples(st.integers(0, 90), st.integers(0, 90)), min_size=1,
                         max_size=40),
        name=st.sampled_from(catalog.NAMES), mask=st.sampled_from(["none", "causal", "window"]))
+@example(lengths=[(0, 30), (40, 40), (17, 0)], name="shift", mask="causal")
 def test_prefix_counts_each_sequences_items(lengths, name, mask):
     causal, aligned = mask == "causal", mask != "none"
     lens_q, lens_k = [q for q, _ in lengths], [k for _, k in lengths]

@@ -57,3 +57,33 @@ def test_rows_land_where_the_aligned_boxes_read_them(seed, aligned, dtype):
         q0 += lq
     assert bool((stats[0, :, padding] == math.inf).all())
     assert bool((stats[1, :, padding] == 0).all())
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_rows_a_first_store_may_miss_are_zeroed_in_the_accumulator(aligned):
+    """The ordered Hopper writer stores each row's first partial instead of adding it into a
+    cleared accumulator, so the preprocess zeroes the rows of the sequences where a query may see
+    no key (no keys; aligned bottom-right, more queries than keys) and those of the sub-tiles
+    that cross a sequence's edge (added row by row), and leaves the rest alone."""
+    lens_q = [40, 0, 70, 33, 90, 5]
+    lens_k = [40, 30, 0, 50, 20, 5]
+    heads, ev, total = 2, 16, sum(lens_q)
+    gen = torch.Generator().manual_seed(0)
+    out, grad_out = (torch.randn(total, heads, ev, generator=gen) for _ in range(2))
+    lse = torch.randn(heads, total, generator=gen)
+    acc = torch.full((heads, total, 32), math.nan)
+    packed_prepare(out, grad_out, lse, _offsets(lens_q), _offsets(lens_k), sum(lens_k),
+                   max(lens_q), max(lens_k), aligned=aligned, causal=aligned,
+                   schedule=catalog.get("shift"), block_m=16, block_n=32, with_prefix=False,
+                   keyless_rows=acc)
+    q0, box = 0, 16
+    for lq, lk in zip(lens_q, lens_k):
+        q_lo = max(lk - lq, 0) if aligned else 0
+        keyless = lk == 0 or (aligned and lq > lk)
+        for i in range(lq):
+            sub_tile = (q_lo + i) // box * box
+            crossing = sub_tile < q_lo or sub_tile + box > q_lo + lq
+            row = acc[:, q0 + i]
+            assert bool((row == 0).all()) if keyless or crossing else bool(row.isnan().all()), \
+                (lq, lk, i)
+        q0 += lq

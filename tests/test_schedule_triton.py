@@ -176,6 +176,24 @@ def test_triton_window_functions_equal_the_model(schedule):
         assert [o.tolist() for o in outputs] == expected, (schedule, left, right, causal)
 
 
+@triton.jit
+def _window_counts(count_out, n_q, block, left, right, BLOCK: tl.constexpr,
+                   CAUSAL: tl.constexpr):
+    kv = tl.arange(0, BLOCK)
+    tl.store(count_out + kv, ops.window_q_range(kv, n_q, block, left, right, CAUSAL)[1])
+
+
+def test_window_range_of_a_sequence_without_queries_is_empty():
+    """A packed sequence with keys and no queries has KV tiles and no Q tile (``tiles.sequence_tiles``):
+    its tiles must visit nothing, though Triton's integer division truncates the empty range's
+    last row (-1) to tile 0."""
+    for left, right, causal in WINDOWS:
+        counts = torch.full((8,), -7, dtype=torch.int32, device=DEVICE)
+        _window_counts[(1,)](counts, 0, 3, left, right, BLOCK=8, CAUSAL=causal)
+        expected = [model.window_q_range(kv, 0, 3, left, right, causal)[1] for kv in range(8)]
+        assert counts.tolist() == expected == [0] * 8, (left, right, causal)
+
+
 @pytest.mark.parametrize("schedule", [s for s in catalog.NAMES if s != "shift"])
 def test_window_model_visits_the_window_once_in_work_item_order(schedule):
     for (left, right, causal), n_q, n_kv in itertools.product(WINDOWS, range(1, 7), range(1, 7)):

@@ -10,7 +10,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from . import walk
 from .primitives import (LAST_NAMED_BARRIER, named_barrier_sync, partition_barrier, red_add,
-                         red_add_rows, tma_add, tma_adds_performed)
+                         red_add_rows, tma_add, tma_store, tma_writes_performed)
 
 
 @gluon.jit
@@ -42,7 +42,13 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
     step fewer for them, each of which costs them two barriers). NAMED_HANDOFF: the partial
     comes on a named barrier of HANDOFF_THREADS threads, else on the ``dq_ready`` mbarrier.
     HEADS_OUTER: an item visits its KV tiles once per VISIT_HEADS query heads
-    (``walk.visit_heads``), VISITS times in all."""
+    (``walk.visit_heads``), VISITS times in all.
+
+    Ordered, the first rank of every partial stores it instead of adding it, so DQACC need not
+    be cleared (FlashAttention-3's preprocess clears it): the launchers clear only rows that no
+    KV tile reaches, where some may exist, and the rows of packed sub-tiles that cross their
+    sequence's edge, which are always added (``packed_prep.py``). x and 0 + x are the same
+    float but for the sign of a zero, which no comparison of values sees."""
     if not COMPUTE_DQ:
         return
     DQ_STAGES: gl.constexpr = dq_bufs.shape[0]
@@ -105,31 +111,42 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                             base = DQACC + (row_base + row0).to(gl.int64) * HEAD_D
                             buf = dq_bufs.index(d)
                             crossing = VARLEN and walk.crosses_edge(row0, BLOCK_M, q_lo, q_hi)
-                            # One TMA reduce-add per partial, or red.v4 adds from registers. Only
-                            # a packed sub-tile that crosses its sequence's edge adds row by row
-                            # (its own rows): predicated adds become a branch per add in SASS,
-                            # with no shared memory load in flight across it, and made the writer
-                            # the packed kernel's bottleneck (docs/kernels-notes.md).
-                            if DQ_TMA and not crossing:
-                                tma_add(dq_desc, [row_base + row0, 0], buf)
-                                tma.store_wait(0)  # read: the staging buffer is free again
-                            elif crossing:
+                            # Ordered, the first rank stores its partial (1), the others add.
+                            first_rank = 0
+                            if ORDERED:
+                                first_rank = (turn == 0).to(gl.int32)
+                            # One TMA reduce-add (or store) per partial, or red.v4 adds from
+                            # registers. A packed sub-tile that crosses its sequence's edge adds
+                            # row by row (its own rows), always (the packed preprocess clears its
+                            # rows): predicated adds become a branch per add in SASS, with no
+                            # shared memory load in flight across it, and made the writer the
+                            # packed kernel's bottleneck (docs/kernels-notes.md).
+                            if crossing:
                                 for r in gl.static_range(0, BLOCK_M, ROWS):
                                     vals = buf.slice(r, ROWS, dim=0).load(layout)
                                     ptrs = base + (r + offs_r)[:, None] * HEAD_D + offs_d[None, :]
                                     rows = row0 + r + offs_r
                                     keep = ((rows >= q_lo) & (rows < q_hi)).to(gl.int32)
                                     red_add_rows(ptrs, vals, keep[:, None] + 0 * offs_d[None, :])
+                            elif DQ_TMA:
+                                if first_rank:
+                                    tma_store(dq_desc, [row_base + row0, 0], buf)
+                                else:
+                                    tma_add(dq_desc, [row_base + row0, 0], buf)
+                                tma.store_wait(0)  # read: the staging buffer is free again
                             else:
                                 for r in gl.static_range(0, BLOCK_M, ROWS):
                                     vals = buf.slice(r, ROWS, dim=0).load(layout)
                                     ptrs = base + (r + offs_r)[:, None] * HEAD_D + offs_d[None, :]
-                                    red_add(ptrs, vals)
+                                    if first_rank:
+                                        red_add(ptrs, vals, STORE=True)
+                                    else:
+                                        red_add(ptrs, vals)
                             mbarrier.arrive(dq_empty.index(d), count=1)
                             if ORDERED:
-                                if DQ_TMA:
-                                    tma_adds_performed()
-                                # every lane's adds are issued before the release
+                                if DQ_TMA:  # the stores and adds are performed, not only read
+                                    tma_writes_performed()
+                                # every lane's stores or adds are issued before the release
                                 partition_barrier()
                                 gl.atomic_add(ticket, 1, sem="release")
                             it += 1

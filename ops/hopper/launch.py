@@ -255,9 +255,12 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     # A misaligned view, or the stride-0 gradient of out.sum(): same values, new layout.
     q, k, v, grad_out = (tma_readable(t) for t in (q, k, v, grad_out))
     rows = n_q * cfg.block_n
+    # The ordered writer stores each row's first partial: only rows that see no key (a window
+    # with more queries than keys, or no keys) would be left unwritten.
     stats, dq_acc, tickets, flags = prepare(
         out, grad_out, lse, row_stride=rows, acc_rows=rows,
-        acc_dim=0 if schedule.separate_dq else head_d, ticket_rows=cfg.block_m, with_lse2=True)
+        acc_dim=0 if schedule.separate_dq else head_d, ticket_rows=cfg.block_m, with_lse2=True,
+        clear_acc=not schedule.ordered or seq_k == 0 or (window != (-1, -1) and seq_q > seq_k))
     error_flag = flags[:1]
     grid = _launch((q, k, v, grad_out, dk, dv), stats, dq_acc, tickets, error_flag, None, None,
                    (batch, seq_q, seq_k, n_q, n_kv, rows, rows), schedule, cfg, is_causal=is_causal,
@@ -285,8 +288,9 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                     schedule_requested: str | None = None, kernel_reason: str | None = None,
                     cfg: HopperBackwardConfig | None = None) -> Plan:
     """The packed-sequence backward (``ops/packed.py``'s contract: (T, H, D) tensors, ``lse``
-    (Hq, Tq), ``dk`` and ``dv`` zeros, ``packed`` = (cu_seq_q, cu_seq_k, max_q, max_k) checked by
-    the caller) with the Hopper kernel, in one launch; return what ran."""
+    (Hq, Tq), ``packed`` = (cu_seq_q, cu_seq_k, max_q, max_k) checked by the caller) with the
+    Hopper kernel, in one launch; every element of ``dq``, ``dk`` and ``dv`` is written; return
+    what ran."""
     window = tuple(window)
     cu_seq_q, cu_seq_k, max_q, max_k = packed
     (tq, hq, head_d), tk = q.shape, k.shape[0]
@@ -303,17 +307,20 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     plan = Plan("backward", "hopper", kernel_reason, schedule_requested or requested.name,
                 schedule.name, fallback, (), cfg)
     if not (num_seqs and n_q and n_kv and tq and tk):  # no sequence has both queries and keys
-        dq.zero_()
+        for grad in (dq, dk, dv):
+            grad.zero_()
         return plan
     heads_first = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, grad_out))
     q4, k4, v4, do4 = (tma_readable(t) for t in heads_first)
+    dq_acc = None
+    if not schedule.separate_dq:  # the ordered writer stores each row's first partial
+        allocate = torch.empty if schedule.ordered else torch.zeros
+        dq_acc = allocate((hq, tq, head_d), device=q.device, dtype=torch.float32)
     stats, stats_stride, prefix = packed_prepare(
         out, grad_out, lse, cu_seq_q, cu_seq_k, tk, max_q, max_k, aligned=aligned,
         causal=is_causal, schedule=schedule, block_m=cfg.block_m, block_n=cfg.block_n,
-        with_prefix=unpadded_deal(cfg, schedule.name, True))
-    dq_acc = None
-    if not schedule.separate_dq:
-        dq_acc = torch.zeros((hq, tq, head_d), device=q.device, dtype=torch.float32)
+        with_prefix=unpadded_deal(cfg, schedule.name, True),
+        keyless_rows=dq_acc if schedule.ordered else None)
     tickets, flags = zeroed_tickets(hq * tq, q.device)
     error_flag = flags[:1]
     dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))

@@ -9,6 +9,11 @@ the tensors, built on the device from the offsets (the host reads none).
   segment of its own; rows between segments hold +inf and 0 (P = 0 there).
 - The deal's prefix of work items per sequence, where ``shift`` deals them unpadded
   (``deal.py``).
+- For the ordered schedules, whose writer stores each row's first partial (``dq_writer.py``) so
+  that the fp32 dQ accumulator need not be cleared: zeros in the rows that a store may not reach,
+  those of the sequences where some query may see no key (no keys, or, aligned, more queries
+  than keys), and those of a sub-tile that crosses its sequence's edge, which the writer adds
+  row by row.
 
 One launch instead of a dozen small torch operations and three launches: the packed backward's
 host time, which a training step waits for when the GPU work is short, was 1.3-1.9 ms a call on
@@ -51,18 +56,20 @@ def stats_rows(total_q: int, num_seqs: int, block_m: int) -> int:
 
 
 @triton.jit
-def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX,
+def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX, DQACC,
                         stride_ot, stride_oh, stride_oe, stride_dt, stride_dh, stride_de,
                         num_seqs, total_q, total_k, max_q, max_k, row_stride, plane,
                         search_steps, EV: tl.constexpr, HEAD_EV: tl.constexpr,
                         BLOCK_M: tl.constexpr, BOX_M: tl.constexpr, ALIGNED: tl.constexpr,
                         CAUSAL: tl.constexpr,
                         SCHEDULE: tl.constexpr, BLOCK_N: tl.constexpr, WITH_PREFIX: tl.constexpr,
-                        PREFIX_BLOCK: tl.constexpr):
+                        PREFIX_BLOCK: tl.constexpr, HEAD_ACC: tl.constexpr):
     """Program (r, h): stats rows [r * BLOCK_M, (r + 1) * BLOCK_M) of query head h, each the row
     of the sequence whose room holds it (the last sequence whose room begins at or before it, by
     binary search), or padding; BOX_M: the kernel's rows per box. Program (0, 0) also writes
-    PREFIX (WITH_PREFIX)."""
+    PREFIX (WITH_PREFIX). HEAD_ACC > 0: zero the DQACC (Hq, total_q, HEAD_ACC) rows of those of
+    its rows whose sequence may have a query that sees no key, or whose sub-tile of BOX_M rows
+    crosses the sequence's edge."""
     h = tl.program_id(1)
     dest = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     lo = tl.zeros([BLOCK_M], tl.int32)
@@ -87,6 +94,17 @@ def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX,
     stats = STATS + h.to(tl.int64) * row_stride + dest
     tl.store(stats, exp2_logsumexp(lse), mask=dest < row_stride)
     tl.store(stats + plane, row_delta(o, do), mask=dest < row_stride)
+    if HEAD_ACC > 0:
+        if ALIGNED:  # bottom-right: the first seq_l - seq_s queries see no key
+            keyless = seq_l > seq_s
+        else:
+            keyless = seq_s == 0
+        sub_tile = (q_lo + offset) // BOX_M * BOX_M  # tile rows: the sequence's start at q_lo
+        crossing = (sub_tile < q_lo) | (sub_tile + BOX_M > q_lo + seq_l)
+        acc_cols = tl.arange(0, HEAD_ACC)
+        tl.store(DQACC + (h.to(tl.int64) * total_q + rows[:, None]) * HEAD_ACC + acc_cols[None, :],
+                 tl.zeros([BLOCK_M, HEAD_ACC], tl.float32),
+                 mask=(real & (keyless | crossing))[:, None])
     if WITH_PREFIX:
         if (tl.program_id(0) == 0) & (h == 0):
             write_item_prefix(CU_Q, CU_K, PREFIX, num_seqs, total_q, total_k, max_q, max_k,
@@ -96,11 +114,13 @@ def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX,
 def packed_prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
                    cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, total_k: int, max_q: int,
                    max_k: int, *, aligned: bool, causal: bool, schedule: catalog.Schedule,
-                   block_m: int, block_n: int,
-                   with_prefix: bool) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+                   block_m: int, block_n: int, with_prefix: bool,
+                   keyless_rows: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """(stats (2, Hq * row_stride), row_stride, the deal's prefix or None) for (Tq, Hq, Ev)
     ``out`` and ``grad_out`` and the forward's (Hq, Tq) ``lse``; ``total_k`` packed keys; the
-    kernel's boxes of ``block_m`` rows."""
+    kernel's boxes of ``block_m`` rows. ``keyless_rows``: a (Hq, Tq, D) dQ accumulator whose
+    rows that may see no key are zeroed."""
     total_q, heads, ev = out.shape
     num_seqs = cu_seq_q.numel() - 1
     row_stride = stats_rows(total_q, num_seqs, block_m)
@@ -109,10 +129,12 @@ def packed_prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
               if with_prefix else None)
     _packed_prep_kernel[(triton.cdiv(row_stride, BLOCK), heads)](
         out, grad_out, lse.contiguous(), cu_seq_q, cu_seq_k, stats,
-        stats if prefix is None else prefix, *out.stride(), *grad_out.stride(), num_seqs,
+        stats if prefix is None else prefix, stats if keyless_rows is None else keyless_rows,
+        *out.stride(), *grad_out.stride(), num_seqs,
         total_q, total_k, max_q, max_k, row_stride, heads * row_stride, num_seqs.bit_length(),
         EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=BLOCK, BOX_M=block_m, ALIGNED=aligned,
         CAUSAL=causal,
         SCHEDULE=schedule.id, BLOCK_N=block_n, WITH_PREFIX=with_prefix,
-        PREFIX_BLOCK=min(max(triton.next_power_of_2(num_seqs), 16), 1024))
+        PREFIX_BLOCK=min(max(triton.next_power_of_2(num_seqs), 16), 1024),
+        HEAD_ACC=0 if keyless_rows is None else keyless_rows.shape[2])
     return stats, row_stride, prefix

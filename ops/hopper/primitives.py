@@ -63,22 +63,30 @@ tma_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
 
 
 @gluon.jit
-def tma_adds_performed():
-    """Wait until this thread's TMA reduce-adds have been performed in global memory, not only
-    read from shared memory (``tma.store_wait`` waits for the reads): an ordered writer releases
-    the next rank's turn only after its adds have landed. Called by a one-warp partition."""
+def tma_writes_performed():
+    """Wait until this thread's TMA stores and reduce-adds have been performed in global memory,
+    not only read from shared memory (``tma.store_wait`` waits for the reads): an ordered writer
+    releases the next rank's turn only after its partial has landed. Called by a one-warp
+    partition."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.b32 $0, 0;", "=r,r",
                               [gl.zeros([32], gl.int32, layout=layout)], dtype=gl.int32,
                               is_pure=False, pack=1)
 
 
+#: The dQ writer's vectorized writes of four fp32 elements: ``red`` adds (nothing comes back
+#: from L2, unlike ``atom``), or plain stores for the first rank of an ordered reduction.
+_RED_ADD_V4 = gl.constexpr("red.global.gpu.relaxed.add.v4.f32")
+_STORE_V4 = gl.constexpr("st.global.v4.f32")
+
+
 @gluon.jit
-def red_add(ptrs, vals):
-    """Fire-and-forget fp32 adds, four contiguous elements per instruction (``red``, not ``atom``:
-    nothing comes back from L2). ``ptrs`` must hold 16-byte aligned runs of four."""
+def red_add(ptrs, vals, STORE: gl.constexpr = False):
+    """Fire-and-forget fp32 adds (STORE: stores), four contiguous elements per instruction.
+    ``ptrs`` must hold 16-byte aligned runs of four."""
+    op: gl.constexpr = _STORE_V4 if STORE else _RED_ADD_V4
     gl.inline_asm_elementwise(
-        "red.global.gpu.relaxed.add.v4.f32 [$4], {$8, $9, $10, $11};\n"
+        op + " [$4], {$8, $9, $10, $11};\n"
         "mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;",
         "=r,=r,=r,=r,l,l,l,l,r,r,r,r",
         [ptrs.to(gl.int64, bitcast=True), vals.to(gl.int32, bitcast=True)], dtype=gl.int32,

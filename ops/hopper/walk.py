@@ -64,7 +64,7 @@ def sequence_tiles(b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N: gl.con
     """(q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles of Q, tiles of KV) of batch entry ``b``.
 
     Tile row ``r`` is packed row ``q_start + r`` and tile key ``c`` packed key ``k_start + c``
-    (VARLEN; dense: 0). A sequence without queries or keys has no tiles.
+    (VARLEN; dense: 0). A sequence without keys has no tiles, one without queries no Q tile.
     """
     if VARLEN:
         q0, k0, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = tiles.sequence_tiles(

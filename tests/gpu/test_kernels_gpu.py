@@ -197,19 +197,10 @@ def test_window_follows_the_flash_rule(window, causal, schedule):
     assert_flash_rule((out, dq, dk, dv), dense(q.dtype), dense(torch.float32), what=schedule)
 
 
-def _poison_the_allocator():
-    """Leave NaN in the blocks the caching allocator hands out next (large and small pools)."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    blocks = [torch.full((n,), float("nan"), device="cuda")
-              for n in (1 << 24, *[1 << 17] * 32, *[1 << 12] * 256)]
-    del blocks
-
-
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (False, (96, 40))],
                          ids=str)
-def test_unfilled_buffers_are_written_in_full(causal, window, schedule):
+def test_unfilled_buffers_are_written_in_full(causal, window, schedule, poison_allocator):
     """The op allocates its outputs and buffers without PyTorch's deterministic NaN fill
     (``shapes.unfilled``), so a kernel must write every element: on NaN-poisoned memory, with
     L != S, keys that no query sees, and a window, the public op gives the launchers' bits on
@@ -233,7 +224,7 @@ def test_unfilled_buffers_are_written_in_full(causal, window, schedule):
         filled = [out, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
         attention_backward(do, q, k, v, out, lse, None, *filled[1:], is_causal=causal,
                            scale=scale, schedule=schedule, kernel=KERNEL, window=window)
-        _poison_the_allocator()
+        poison_allocator()
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         with dash_inductor.config.patch(kernel=KERNEL, schedule=schedule):
             got = dash_inductor.attention(*leaves, is_causal=causal, enable_gqa=True,
@@ -241,6 +232,37 @@ def test_unfilled_buffers_are_written_in_full(causal, window, schedule):
         got.backward(do)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (got, *(t.grad for t in leaves)), filled):
         assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("schedule", DETERMINISTIC)
+@pytest.mark.parametrize("seq_q,seq_k,causal,window", [
+    (700, 200, False, (96, 40)), (200, 700, False, (96, 40)), (700, 200, True, (-1, -1)),
+    (333, 333, True, (64, 0)), (512, 512, False, (-1, -1))], ids=str)
+def test_backward_writes_every_gradient_on_poisoned_memory(seq_q, seq_k, causal, window,
+                                                           schedule, poison_allocator):
+    """The ordered Hopper writer stores each row's first dQ partial, so its accumulator is cleared
+    only where a row may see no key (a window with more queries than keys): on NaN-poisoned
+    memory, the launcher's gradients equal those it gives on zeroed memory, and are finite."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randn(2, 4, seq_q, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(2, 2, seq_k, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    scale = q.shape[-1] ** -0.5
+    out, lse = torch.empty_like(do), torch.empty(q.shape[:3], device="cuda")
+    attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale, kernel="portable",
+                      window=window)
+
+    def backward(allocate):
+        grads = [allocate(t) for t in (q, k, v)]
+        attention_backward(do, q, k, v, out, lse, None, *grads, is_causal=causal, scale=scale,
+                           schedule=schedule, kernel=KERNEL, window=window)
+        return grads
+
+    clean = backward(torch.zeros_like)
+    poison_allocator()
+    for name, a, b in zip(("dq", "dk", "dv"), clean, backward(torch.empty_like)):
+        assert torch.isfinite(b).all() and torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("schedule", ORDERED)

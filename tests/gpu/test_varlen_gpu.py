@@ -178,6 +178,29 @@ def test_a_nan_stays_in_its_sequence(schedule, where, cuda_path):
     assert any(t[1000:1700].isnan().any() for t in (dirty[0], *dirty[2:]))
 
 
+@pytest.mark.parametrize("mask", ["full", "causal", "window_300_200"])
+@pytest.mark.parametrize("schedule", [*DETERMINISTIC, "atomic"])
+def test_gradients_are_written_in_full_on_poisoned_memory(schedule, mask, cuda_path,
+                                                          poison_allocator):
+    """The packed backward allocates its gradients without clearing them (a sequence with keys
+    and no queries gets its zero key gradients from the kernels) and the ordered Hopper writer
+    stores each row's first dQ partial: on NaN-poisoned memory, with sequences without queries,
+    without keys, and with more queries than keys, the gradients are the ones a first call gave,
+    and finite."""
+    _packed_only(cuda_path)
+    lens_q, lens_k = PACKINGS["cross"]
+    q, k, v, do = _inputs(lens_q, lens_k, seed=5)
+    clean = _ours(q, k, v, do, lens_q, lens_k, MASKS[mask], schedule)
+    poison_allocator()
+    dirty = _ours(q, k, v, do, lens_q, lens_k, MASKS[mask], schedule)
+    for name, a, b in zip(("dq", "dk", "dv"), clean[2:], dirty[2:]):
+        assert torch.isfinite(b).all(), name
+        if schedule == "atomic":  # its dQ sums in any order
+            torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2, msg=name)
+        else:
+            assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
 def test_no_host_synchronisation(schedule, cuda_path):
     """Forward and backward on CUDA never wait for the GPU (the offsets stay on the device)."""
