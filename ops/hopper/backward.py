@@ -95,8 +95,7 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
                     stats_stride, win_left, win_right, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
-                    HEADS_OUTER: gl.constexpr, VISIT_HEADS: gl.constexpr, VISITS: gl.constexpr,
-                    UNPADDED: gl.constexpr):
+                    VISIT_HEADS: gl.constexpr, VISITS: gl.constexpr, UNPADDED: gl.constexpr):
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     it = 0
     tile = 0
@@ -107,8 +106,7 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_buf
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         batch = walk.tma_batch(b, VARLEN)
         for visit in range(VISITS):
-            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, HEADS_OUTER,
-                                                VISIT_HEADS)
+            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, VISIT_HEADS)
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
                 it, tile = _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
@@ -250,15 +248,16 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                        NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, EVEN_S: gl.constexpr,
                        DK_IN_FLIGHT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                        NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
-                       HANDOFF_THREADS: gl.constexpr, HEADS_OUTER: gl.constexpr,
-                       VISIT_HEADS: gl.constexpr, VISITS: gl.constexpr, UNPADDED: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       HANDOFF_THREADS: gl.constexpr, VISIT_HEADS: gl.constexpr,
+                       VISITS: gl.constexpr, UNPADDED: gl.constexpr, num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     HEAD_D: gl.constexpr = k_smem.shape[1]
     NSUB: gl.constexpr = BLOCK_N // BLOCK_M
     dtype: gl.constexpr = k_smem.dtype
+    # Visits of fewer query heads than the group keep a tile's dK and dV in STASH in between.
+    STASHED: gl.constexpr = VISIT_HEADS < GROUP
     # Keys along dim 0 of S^T, split over both warpgroups; dQ (BLOCK_M rows) splits its columns.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -278,14 +277,13 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         for visit in range(VISITS):
-            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, HEADS_OUTER,
-                                                VISIT_HEADS)
+            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, VISIT_HEADS)
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
                 cols = kv * BLOCK_N + offs_n
                 if VARLEN:
                     cols = walk.key_order(cols, k_lo, k_hi)
-                if HEADS_OUTER:  # the tile's dK and dV over the heads before g_lo, kept here
+                if STASHED:  # the tile's dK and dV over the heads before g_lo, kept here
                     stash = (STASH + ((gl.program_id(0) * NUM_SLOTS + slot) * 2) * BLOCK_N * HEAD_D
                              + gl.expand_dims(offs_kn, 1) * HEAD_D + gl.expand_dims(offs_kd, 0))
                     kept = gl.expand_dims(offs_kn >= 0, 1) & (g_lo > 0)
@@ -321,7 +319,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                     mbarrier.arrive(q_empty.index((it - 1) % STAGES), count=1)
                 mbarrier.arrive(kv_empty, count=1)
                 tile += 1
-                if HEADS_OUTER:
+                if STASHED:
                     if g_hi < GROUP:  # each thread reads back its own elements: no barrier
                         gl.store(stash, dk)
                         gl.store(stash + BLOCK_N * HEAD_D, dv)
@@ -348,8 +346,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
                     DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
-                    HEADS_OUTER: gl.constexpr, VISIT_HEADS: gl.constexpr,
-                    UNPADDED: gl.constexpr, LOAD_REGS: gl.constexpr,
+                    VISIT_HEADS: gl.constexpr, UNPADDED: gl.constexpr, LOAD_REGS: gl.constexpr,
                     WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
@@ -359,8 +356,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     (Hq, row_stride) by packed row, the stats over (Hq, stats_stride) with sequence b's rows from
     ``packed_prep.stats_start``; batch entry b is sequence b of the offsets CU_Q, CU_K (L, S:
     totals); UNPADDED: the items are dealt by PREFIX (``deal.py``), else every sequence has
-    ``items_per_head``. HEADS_OUTER: STASH holds each program's fp32 dK and dV of its items' KV
-    tiles between their query heads, (programs, NUM_SLOTS, 2, BLOCK_N, D).
+    ``items_per_head``. VISIT_HEADS < GROUP: STASH holds each program's fp32 dK and dV of its
+    items' KV tiles between their visits, (programs, NUM_SLOTS, 2, BLOCK_N, D).
     """
     dtype: gl.constexpr = q_desc.dtype
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -381,9 +378,9 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     WRITER_FREES: gl.constexpr = COMPUTE_DQ and (DK_IN_FLIGHT or NAMED_HANDOFF)
     # The named hand-off's participants: the compute warps and the writer's one warp.
     HANDOFF_THREADS: gl.constexpr = 32 * num_warps + 32
-    # KV tile visits per work item (``walk.visit_heads``): one per slot, or one per slot and
-    # VISIT_HEADS query heads.
-    VISITS: gl.constexpr = NUM_SLOTS * (GROUP // VISIT_HEADS) if HEADS_OUTER else NUM_SLOTS
+    # KV tile visits per work item (``walk.visit_heads``): one per slot and VISIT_HEADS query
+    # heads (the whole group: one per slot).
+    VISITS: gl.constexpr = NUM_SLOTS * (GROUP // VISIT_HEADS)
 
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
@@ -417,18 +414,18 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                               win_left, win_right, items_per_head, total_items, qk_scale, sm_scale,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, HANDOFF_THREADS,
-                              HEADS_OUTER, VISIT_HEADS, VISITS, UNPADDED, num_warps)),
+                              VISIT_HEADS, VISITS, UNPADDED, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                            stats_stride, win_left, win_right, items_per_head, total_items,
-                           GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, HEADS_OUTER,
-                           VISIT_HEADS, VISITS, UNPADDED)),
+                           GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, VISIT_HEADS,
+                           VISITS, UNPADDED)),
         (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS,
                                ERR, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                                row_stride, win_left, win_right, items_per_head, total_items,
                                max_spin, GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ,
                                ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA, WRITER_FREES,
-                               DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS, HEADS_OUTER,
-                               VISIT_HEADS, VISITS, UNPADDED)),
+                               DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS, VISIT_HEADS,
+                               VISITS, UNPADDED)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

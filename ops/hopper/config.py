@@ -74,7 +74,7 @@ class HopperBackwardConfig:
     equally long items runs on a whole number of heads' worth of programs
     (:func:`ordered_programs`); ``heads_outer``: a causal item of a GQA group visits its two KV
     tiles once per query head, keeping the tiles' dK and dV in global memory in between
-    (:func:`heads_outer`), ``visit_heads`` query heads at a visit; ``unpadded_deal``: packed
+    (:func:`visit_heads`), ``visit_heads`` query heads at a visit; ``unpadded_deal``: packed
     sequences' items are dealt without the padding items of the padded deal (``deal.py``) under
     the schedules whose items of a head must run at once (``shift``): on three documents of
     7429, 3667 and 5288 tokens (H100, d128, causal) ``shift`` took 2.84-2.86 ms against 3.25,
@@ -173,10 +173,11 @@ def ordered_programs(items_per_head: int, sms: int) -> int:
     return sms // items_per_head * items_per_head if items_per_head <= sms else sms
 
 
-def heads_outer(cfg: HopperBackwardConfig, slots: int, group: int, window: bool,
-                varlen: bool) -> bool:
-    """Whether a work item visits its KV tiles a few query heads at a time (``cfg.visit_heads``
-    of its group's, ``walk.visit_heads``), keeping their dK and dV in a stash in between.
+def visit_heads(cfg: HopperBackwardConfig, slots: int, group: int, window: bool,
+                varlen: bool) -> int:
+    """The query heads a work item's visit of a KV tile covers (``walk.visit_heads``): the whole
+    GQA group, or, where the heads go outermost (``cfg.heads_outer``), ``cfg.visit_heads`` of
+    them (a divisor of the group), the tiles' dK and dV kept in a stash between visits.
 
     A causal item pairs two KV tiles whose visits differ in length. Visiting each tile for the
     whole GQA group before the other leaves the items of a KV head on different query heads at
@@ -194,8 +195,9 @@ def heads_outer(cfg: HopperBackwardConfig, slots: int, group: int, window: bool,
     362-368), and 2:1, where two heads are the whole group, 405-435 against 363-418; 16k GQA 4:1
     493-502 against 484-501.
     """
-    return (cfg.heads_outer and slots > 1 and math.gcd(cfg.visit_heads, group) < group
-            and not (window or varlen))
+    heads = math.gcd(cfg.visit_heads, group)
+    outer = cfg.heads_outer and slots > 1 and heads < group and not (window or varlen)
+    return heads if outer else group
 
 
 def unpadded_deal(cfg: HopperBackwardConfig, schedule: str, varlen: bool) -> bool:
@@ -216,8 +218,7 @@ def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
                 DQ_STAGES=cfg.dq_stages, WRITER_ROWS=cfg.writer_rows,
                 DK_IN_FLIGHT=cfg.dk_in_flight, DQ_TMA=cfg.dq_tma,
                 NAMED_HANDOFF=cfg.named_handoff,
-                HEADS_OUTER=heads_outer(cfg, sched.slots(causal), group, window, varlen),
-                VISIT_HEADS=math.gcd(cfg.visit_heads, group),
+                VISIT_HEADS=visit_heads(cfg, sched.slots(causal), group, window, varlen),
                 UNPADDED=unpadded_deal(cfg, schedule, varlen),
                 LOAD_REGS=cfg.load_regs,
                 WRITER_REGS=cfg.writer_regs, num_warps=cfg.num_warps)

@@ -32,8 +32,8 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                         ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
                         VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
                         PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
-                        HANDOFF_THREADS: gl.constexpr, HEADS_OUTER: gl.constexpr,
-                        VISIT_HEADS: gl.constexpr, VISITS: gl.constexpr, UNPADDED: gl.constexpr):
+                        HANDOFF_THREADS: gl.constexpr, VISIT_HEADS: gl.constexpr,
+                        VISITS: gl.constexpr, UNPADDED: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
     TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
     with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release a
@@ -41,8 +41,8 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
     previous step's with PREVIOUS_STAGE (dK in flight), else the partial's own (one arrive a
     step fewer for them, each of which costs them two barriers). NAMED_HANDOFF: the partial
     comes on a named barrier of HANDOFF_THREADS threads, else on the ``dq_ready`` mbarrier.
-    HEADS_OUTER: an item visits its KV tiles once per VISIT_HEADS query heads
-    (``walk.visit_heads``), VISITS times in all.
+    An item visits its KV tiles once per VISIT_HEADS query heads (``walk.visit_heads``), VISITS
+    times in all.
 
     Ordered, the first rank of every partial stores it instead of adding it, so DQACC need not
     be cleared (FlashAttention-3's preprocess clears it): the launchers clear only rows that no
@@ -68,8 +68,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
         for visit in range(VISITS):
-            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, HEADS_OUTER,
-                                                VISIT_HEADS)
+            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, VISIT_HEADS)
             kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
             if kv >= 0:
                 first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,

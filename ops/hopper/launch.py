@@ -203,7 +203,7 @@ def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor | None,
         packed is not None, _sm_count(q.device.index or 0))
     cu_q, cu_k, max_q, max_k = packed or (tickets, tickets, 0, 0)
     stash = stats  # fp32, never touched unless the items visit their tiles head by head
-    if constexprs["HEADS_OUTER"]:
+    if constexprs["VISIT_HEADS"] < constexprs["GROUP"]:
         stash = torch.empty((grid[0], constexprs["NUM_SLOTS"], 2, cfg.block_n, q.shape[3]),
                             device=q.device, dtype=torch.float32)
     dk_batch, dv_batch = (0, 0) if packed else (dk.stride(0), dv.stride(0))

@@ -24,12 +24,19 @@ from .packed_prep import stats_start
 
 
 @gluon.jit
+def _entries(total_items, items_per_head, HKV):
+    """The batch entries (packed: sequences) of a launch of ``total_items``, each counted with
+    ``items_per_head`` items per KV head."""
+    return total_items // (items_per_head * HKV)
+
+
+@gluon.jit
 def work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED: gl.constexpr):
     """The work indices to deal: ``total_items`` (every batch entry or sequence counted with
     ``items_per_head`` items per KV head), or, UNPADDED, the real items of packed sequences
     (``deal.py``)."""
     if UNPADDED:
-        result = gl.load(PREFIX + total_items // (items_per_head * HKV)) * HKV
+        result = gl.load(PREFIX + _entries(total_items, items_per_head, HKV)) * HKV
     else:
         result = total_items
     return result
@@ -42,7 +49,7 @@ def work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED: gl.const
     (the last b with PREFIX[b] * HKV <= work, by binary search; ``deal.py``)."""
     if UNPADDED:
         lo = 0 * work
-        hi = total_items // (items_per_head * HKV) - 1
+        hi = _entries(total_items, items_per_head, HKV) - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             below = gl.load(PREFIX + mid) * HKV <= work
@@ -84,15 +91,14 @@ def slot_tile(item, slot, tiles_kv, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr
 
 
 @gluon.jit
-def visit_heads(visit, NUM_SLOTS: gl.constexpr, GROUP: gl.constexpr, HEADS_OUTER: gl.constexpr,
-                VISIT_HEADS: gl.constexpr):
+def visit_heads(visit, NUM_SLOTS: gl.constexpr, GROUP: gl.constexpr, VISIT_HEADS: gl.constexpr):
     """(slot, first query head, last query head + 1) of a work item's ``visit``-th visit of a KV
-    tile: each slot's tile once for all the query heads of its GQA group (``NUM_SLOTS`` visits),
-    or, HEADS_OUTER, once per VISIT_HEADS of them, the heads outermost (``NUM_SLOTS * GROUP /
-    VISIT_HEADS`` visits): then every item of a KV head spends the same time on each query head,
-    so the items in flight touch few query heads' dQ, Q and dO at a time
+    tile: each slot's tile once for all the query heads of its GQA group (VISIT_HEADS = GROUP,
+    ``NUM_SLOTS`` visits), or once per VISIT_HEADS of them, the heads outermost (``NUM_SLOTS *
+    GROUP / VISIT_HEADS`` visits): then every item of a KV head spends the same time on each
+    query head, so the items in flight touch few query heads' dQ, Q and dO at a time
     (docs/kernels-notes.md)."""
-    if HEADS_OUTER:
+    if VISIT_HEADS < GROUP:
         first = visit // NUM_SLOTS * VISIT_HEADS
         result = (visit % NUM_SLOTS, first, first + VISIT_HEADS)
     else:
