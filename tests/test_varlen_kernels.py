@@ -105,12 +105,45 @@ def test_no_launch_when_one_side_has_no_tokens(lens_q, lens_k, schedule):
     q, do, out = (torch.randn(tq, hq, 16) for _ in range(3))
     k, v = torch.randn(tk, hq, 16), torch.randn(tk, hq, 16)
     lse = torch.full((hq, tq), float("-inf"))
-    dq, dk, dv = torch.randn_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = (torch.randn_like(t) for t in (q, k, v))
     plan = packed.varlen_backward(do, q, k, v, out, lse, _offsets(lens_q), _offsets(lens_k),
                                   max(lens_q), max(lens_k), dq, dk, dv, is_causal=True,
                                   scale=0.25, schedule=schedule)
     assert plan.grid == ()
     assert not dq.any() and not dk.any() and not dv.any()
+
+
+@pytest.mark.parametrize("schedule", catalog.NAMES)
+@pytest.mark.parametrize("case", ["no_keys_or_no_queries", "queries_far_past_keys_causal",
+                                  "one_sided_windows"])
+def test_packed_backward_writes_every_gradient_element(case, schedule):
+    """The packed launchers take gradients whose memory holds anything (the op allocates them
+    uninitialised): keys of a sequence without queries get zeros from the kernels, which give
+    it KV tiles and no Q tile. On NaN-filled gradients, the result equals the one on zeros."""
+    lens_q, lens_k, window, hq, hkv = CASES[case]
+    gen = torch.Generator().manual_seed(3)
+    (tq, tk), e = (sum(lens_q), sum(lens_k)), 16
+    q, do = (torch.randn(tq, hq, e, generator=gen) for _ in range(2))
+    k, v = (torch.randn(tk, hkv, e, generator=gen) for _ in range(2))
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    causal, kernel_window = window == (-1, 0), (window if window != (-1, 0) else (-1, -1))
+    out, lse = torch.empty_like(q), torch.empty(hq, tq)
+    packed.varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), out, lse,
+                          is_causal=causal, scale=0.25, window=kernel_window)
+
+    def backward(fill: float):
+        grads = [torch.full_like(t, fill) for t in (q, k, v)]
+        packed.varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                               *grads, is_causal=causal, scale=0.25, schedule=schedule,
+                               window=kernel_window)
+        return grads
+
+    for name, a, b in zip(("dq", "dk", "dv"), backward(0.0), backward(float("nan"))):
+        assert torch.isfinite(b).all(), name
+        if catalog.get(schedule).deterministic:
+            assert torch.equal(a, b), name
+        else:  # atomic: its adds may land in any order
+            torch.testing.assert_close(b, a, msg=name)
 
 
 class _Unreadable(torch.Tensor):
