@@ -22,6 +22,7 @@ from .. import catalog
 from ..backward import fit_schedule, window_fallback
 from ..configs import backward_config as portable_backward_config
 from ..configs import cuda_major
+from ..dq_convert import convert_dq
 from ..dq_pass import launch_dq_pass
 from ..launch import watch_spin_flag
 from ..plan import Plan
@@ -274,7 +275,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        is_causal=is_causal, scale=scale,
                        cfg=portable_backward_config(head_d, q.dtype, is_causal, 9), window=window)
     else:
-        dq.copy_(dq_acc.view(batch, hq, rows, head_d)[:, :, :seq_q])
+        convert_dq(dq_acc, dq)
     if schedule.ordered:
         watch_spin_flag(error_flag, f"{shape}, schedule {schedule.name!r}")
     return Plan("backward", "hopper", kernel_reason, schedule_requested or requested.name,
@@ -337,7 +338,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                        cfg=portable_backward_config(head_d, q.dtype, is_causal, 9), window=window,
                        packed=packed)
     else:
-        dq.copy_(dq_acc.transpose(0, 1))
+        convert_dq(dq_acc, dq.transpose(0, 1).unsqueeze(0))
     if schedule.ordered:
         watch_spin_flag(error_flag, f"{shape}, schedule {schedule.name!r}")
     return dataclasses.replace(plan, grid=grid)

@@ -265,6 +265,24 @@ def test_backward_writes_every_gradient_on_poisoned_memory(seq_q, seq_k, causal,
         assert torch.isfinite(b).all() and torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("layout", ["bhle", "blhe", "packed"])
+def test_dq_conversion_equals_pytorchs_copy_in_bf16(layout):
+    """The launchers' conversion of the fp32 dQ accumulator rounds to nearest even, as PyTorch's
+    copy does (the CPU interpreter truncates, so tests/test_dq_convert.py checks other dtypes)."""
+    from dash_inductor.ops.dq_convert import convert_dq
+
+    acc = torch.randn(8, 1024, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    heads, seq = 4 if layout != "packed" else 8, 1000
+    batch = 8 // heads
+    new = dict(device="cuda", dtype=torch.bfloat16)
+    dq = {"bhle": lambda: torch.empty(batch, heads, seq, 128, **new),
+          "blhe": lambda: torch.empty(batch, seq, heads, 128, **new).transpose(1, 2),
+          "packed": lambda: torch.empty(seq, heads, 128, **new).transpose(0, 1).unsqueeze(0),
+          }[layout]()
+    convert_dq(acc, dq)
+    assert torch.equal(dq, acc.view(batch, heads, 1024, 128)[:, :, :seq].to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("schedule", ORDERED)
 def test_bits_do_not_depend_on_the_number_of_programs(schedule):
     """The Hopper launcher runs ordered schedules with equally long items on a whole number of
