@@ -6,14 +6,14 @@ that many tiles, so a sequence's steps are ``schedule.item_steps`` of its tile c
 adds is the deal: program p takes work indices p, p + P, ..., sequences major. The padded deal
 gives every (sequence, KV head) the work items of the *longest* sequence; the items a short
 sequence does not have are drawn and skipped (the portable kernel, and the Hopper kernel's
-schedules other than ``shift``). The unpadded deal lists the real items only (the Hopper kernel's
-``shift``, ``ops/hopper/deal.py``). (The portable kernel deals causal unordered items by a work
+schedules other than ``shift``). The unpadded deal lists the real items only, the sequences with
+the most tiles first (the Hopper kernel's ``shift``, ``ops/hopper/deal.py``). (The portable kernel deals causal unordered items by a work
 counter instead; that deal is not modelled here.) :func:`packed_plans` builds either deal
 (``pad``), :func:`simulate_packed` runs it.
 
 In this model, three causal documents of 59, 29 and 42 tiles on 132 programs with 16 heads
 (``c = 1``, ``r = 0.15``) finish ``shift`` 17% later with the padded deal than without (578 against
-492), and ``descending`` and ``atomic`` 1-3% sooner; on an H100 the Hopper kernel dealt without
+492 in offset order, 491 longest first), and ``descending`` and ``atomic`` 1-3% sooner; on an H100 the Hopper kernel dealt without
 padding ran ``shift`` 12.5% faster there (2.84 against 3.25 ms at d128), ``descending`` and
 ``atomic`` 3-5% slower (docs/kernels-notes.md).
 """
@@ -44,7 +44,10 @@ def packed_plans(schedule: str, *, tiles: Sequence[int], n_heads: int, programs:
     per_head = max(counts)
     plans: list[list[Step]] = [[] for _ in range(programs)]
     index = 0
-    for b, n in enumerate(tiles):
+    # The unpadded deal takes the sequences with the most tiles first, ties in offset order.
+    order = range(len(tiles)) if pad else sorted(range(len(tiles)), key=lambda b: -tiles[b])
+    for b in order:
+        n = tiles[b]
         for head in range(n_heads):
             for item in range(per_head if pad else counts[b]):
                 if item < counts[b]:

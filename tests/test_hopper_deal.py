@@ -54,37 +54,41 @@ def test_prefix_counts_each_sequences_items(lengths, name, mask):
     prefix = item_prefix(_offsets(lens_q), _offsets(lens_k), sum(lens_q), sum(lens_k),
                          max(lens_q), max(lens_k), block_n=BLOCK_N, aligned=aligned,
                          causal=causal, schedule=catalog.get(name))
-    items = [catalog.items_per_head(n, causal, name) if n else 0
-             for n in (_tiles_kv(q, k, aligned) for q, k in lengths)]
-    assert prefix.tolist() == [0, *itertools.accumulate(items)]
+    tiles = [_tiles_kv(q, k, aligned) for q, k in lengths]
+    order = sorted(range(len(lengths)), key=lambda b: -tiles[b])  # most tiles first, stable
+    items = [catalog.items_per_head(tiles[b], causal, name) if tiles[b] else 0 for b in order]
+    assert prefix.tolist() == [0, *itertools.accumulate(items), *order]
 
 
 def test_prefix_over_more_sequences_than_one_block():
-    """Past 1024 sequences the kernel carries its sum from block to block."""
+    """Past the sequences one block sorts (``deal.MAX_SORTED``) the deal keeps the offsets'
+    order, and the kernel carries its sum from block to block."""
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(0, 70, (2500,), generator=gen).tolist()
     prefix = item_prefix(_offsets(lens), _offsets(lens), sum(lens), sum(lens), max(lens),
                          max(lens), block_n=BLOCK_N, aligned=True, causal=True,
                          schedule=catalog.get("shift"))
     items = [catalog.items_per_head(-(-n // BLOCK_N), True, "shift") if n else 0 for n in lens]
-    assert prefix.tolist() == [0, *itertools.accumulate(items)]
+    assert prefix.tolist() == [0, *itertools.accumulate(items), *range(len(lens))]
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_prefix_deals_the_models_unpadded_items(causal):
     """Work index w of the kernel's unpadded deal, decoded from the prefix as the kernel does
-    (``walk.work_head``: the last sequence b with prefix[b] * heads <= w), gives every program
-    the steps of the model's unpadded deal."""
+    (``walk.work_head``: the last place j with prefix[j] * heads <= w, and the sequence at
+    place j), gives every program the steps of the model's unpadded deal."""
     lens, heads, programs = [80, 0, 33, 16, 1, 47], 3, 7
     prefix = item_prefix(_offsets(lens), _offsets(lens), sum(lens), sum(lens), max(lens),
                          max(lens), block_n=BLOCK_N, aligned=causal, causal=causal,
                          schedule=catalog.get("shift")).tolist()
+    count_of, order = prefix[:len(lens) + 1], prefix[len(lens) + 1:]
+    assert order == [0, 2, 5, 3, 4, 1]  # most tiles first (5, 3, 3, 1, 1, 0), ties by offset
     tiles = [-(-n // BLOCK_N) for n in lens]
     plans: list[list[schedule.Step]] = [[] for _ in range(programs)]
-    for work in range(prefix[-1] * heads):
-        b = max(i for i in range(len(lens)) if prefix[i] * heads <= work)
-        count = prefix[b + 1] - prefix[b]
-        head, item = divmod(work - prefix[b] * heads, count)
+    for work in range(count_of[-1] * heads):
+        j = max(i for i in range(len(lens)) if count_of[i] * heads <= work)
+        b, count = order[j], count_of[j + 1] - count_of[j]
+        head, item = divmod(work - count_of[j] * heads, count)
         steps = schedule.item_steps(item, tiles[b], tiles[b], causal, "shift")
         plans[work % programs] += [dataclasses.replace(s, head=b * heads + head) for s in steps]
     assert plans == packed_plans("shift", tiles=tiles, n_heads=heads, programs=programs,

@@ -59,11 +59,12 @@ def test_one_sequence_is_the_dense_model(name, causal):
 
 def test_the_padded_deal_draws_the_short_sequences_empty_items():
     """Every sequence is dealt the longest one's item count (3 here): sequence 1's two empty
-    items push sequence 2's onto programs 2 and 3; without padding they go to 0 and 1."""
+    items push sequence 2's onto programs 2 and 3. Without padding the sequences go longest
+    first: sequence 2's items to programs 3 and 0, then sequence 1's to 1."""
     steps = lambda **kw: [len(plan) for plan in packed_plans("atomic", tiles=[3, 1, 2], n_heads=1,
                                                               programs=4, causal=False, **kw)]
     assert steps() == [3, 3, 3 + 2, 1 + 2]
-    assert steps(pad=False) == [3 + 2, 3 + 2, 3, 1]
+    assert steps(pad=False) == [3 + 2, 3 + 1, 3, 2]
 
 
 def test_recompute_and_bad_arguments_are_refused():

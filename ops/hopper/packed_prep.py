@@ -7,8 +7,8 @@ the tensors, built on the device from the offsets (the host reads none).
   shift, ``tiles.diagonal_origin``) plus multiples of 64, and a 1-D box must start 16-byte
   aligned, so sequence b's rows start at :func:`stats_start`, congruent to q_lo modulo 4, in a
   segment of its own; rows between segments hold +inf and 0 (P = 0 there).
-- The deal's prefix of work items per sequence, where ``shift`` deals them unpadded
-  (``deal.py``).
+- The deal's order of the sequences and its prefix of work items, where ``shift`` deals them
+  unpadded (``deal.py``).
 - For the ordered schedules, whose writer stores each row's first partial (``dq_writer.py``) so
   that the fp32 dQ accumulator need not be cleared: zeros in the rows that a store may not reach,
   those of the sequences where some query may see no key (no keys, or, aligned, more queries
@@ -30,7 +30,7 @@ from .. import catalog
 from ..configs import head_dim_bucket
 from ..preprocess import BLOCK, row_delta
 from ..tiles import diagonal_origin, exp2_logsumexp, sequence_bounds
-from .deal import write_item_prefix
+from .deal import MAX_SORTED, write_item_prefix
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX, DQACC,
                         BLOCK_M: tl.constexpr, BOX_M: tl.constexpr, ALIGNED: tl.constexpr,
                         CAUSAL: tl.constexpr,
                         SCHEDULE: tl.constexpr, BLOCK_N: tl.constexpr, WITH_PREFIX: tl.constexpr,
-                        PREFIX_BLOCK: tl.constexpr, HEAD_ACC: tl.constexpr):
+                        PREFIX_BLOCK: tl.constexpr, SORT: tl.constexpr, HEAD_ACC: tl.constexpr):
     """Program (r, h): stats rows [r * BLOCK_M, (r + 1) * BLOCK_M) of query head h, each the row
     of the sequence whose room holds it (the last sequence whose room begins at or before it, by
     binary search), or padding; BOX_M: the kernel's rows per box. Program (0, 0) also writes
@@ -108,7 +108,7 @@ def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX, DQACC,
     if WITH_PREFIX:
         if (tl.program_id(0) == 0) & (h == 0):
             write_item_prefix(CU_Q, CU_K, PREFIX, num_seqs, total_q, total_k, max_q, max_k,
-                              BLOCK_N, ALIGNED, CAUSAL, SCHEDULE, PREFIX_BLOCK)
+                              BLOCK_N, ALIGNED, CAUSAL, SCHEDULE, PREFIX_BLOCK, SORT)
 
 
 def packed_prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
@@ -125,7 +125,7 @@ def packed_prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
     num_seqs = cu_seq_q.numel() - 1
     row_stride = stats_rows(total_q, num_seqs, block_m)
     stats = torch.empty((2, heads * row_stride), device=out.device, dtype=torch.float32)
-    prefix = (torch.empty(num_seqs + 1, device=out.device, dtype=torch.int32)
+    prefix = (torch.empty(2 * num_seqs + 1, device=out.device, dtype=torch.int32)
               if with_prefix else None)
     _packed_prep_kernel[(triton.cdiv(row_stride, BLOCK), heads)](
         out, grad_out, lse.contiguous(), cu_seq_q, cu_seq_k, stats,
@@ -135,6 +135,7 @@ def packed_prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
         EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=BLOCK, BOX_M=block_m, ALIGNED=aligned,
         CAUSAL=causal,
         SCHEDULE=schedule.id, BLOCK_N=block_n, WITH_PREFIX=with_prefix,
-        PREFIX_BLOCK=min(max(triton.next_power_of_2(num_seqs), 16), 1024),
+        PREFIX_BLOCK=min(max(triton.next_power_of_2(num_seqs), 16), MAX_SORTED),
+        SORT=num_seqs <= MAX_SORTED,
         HEAD_ACC=0 if keyless_rows is None else keyless_rows.shape[2])
     return stats, row_stride, prefix

@@ -45,11 +45,13 @@ def work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED: gl.constexpr)
 @gluon.jit
 def work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED: gl.constexpr):
     """(batch or sequence, KV head, item) of a work index, heads major: every entry with
-    ``items_per_head`` items per KV head, or, UNPADDED, sequence b with PREFIX[b + 1] - PREFIX[b]
-    (the last b with PREFIX[b] * HKV <= work, by binary search; ``deal.py``)."""
+    ``items_per_head`` items per KV head, or, UNPADDED, the j-th sequence of the deal's order
+    with PREFIX[j + 1] - PREFIX[j] (the last j with PREFIX[j] * HKV <= work, by binary search;
+    the sequence at PREFIX[entries + 1 + j]: ``deal.py``)."""
     if UNPADDED:
+        entries = _entries(total_items, items_per_head, HKV)
         lo = 0 * work
-        hi = _entries(total_items, items_per_head, HKV) - 1
+        hi = entries - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             below = gl.load(PREFIX + mid) * HKV <= work
@@ -58,7 +60,7 @@ def work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED: gl.const
         first = gl.load(PREFIX + lo)
         count = gl.load(PREFIX + lo + 1) - first
         local = work - first * HKV
-        result = (lo, local // count, local % count)
+        result = (gl.load(PREFIX + entries + 1 + lo), local // count, local % count)
     else:
         head = work // items_per_head
         result = (head // HKV, head % HKV, work % items_per_head)
