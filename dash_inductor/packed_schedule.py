@@ -7,15 +7,15 @@ adds is the deal: program p takes work indices p, p + P, ..., sequences major. T
 gives every (sequence, KV head) the work items of the *longest* sequence; the items a short
 sequence does not have are drawn and skipped (the portable kernel, and the Hopper kernel's
 schedules other than ``shift``). The unpadded deal lists the real items only, the sequences with
-the most tiles first (the Hopper kernel's ``shift``, ``ops/hopper/deal.py``). (The portable kernel deals causal unordered items by a work
-counter instead; that deal is not modelled here.) :func:`packed_plans` builds either deal
-(``pad``), :func:`simulate_packed` runs it.
+the most tiles first (the Hopper kernel's ``shift``, ``ops/hopper/deal.py``). (The portable
+kernel deals causal unordered items by a work counter instead; that deal is not modelled here.)
+:func:`packed_plans` builds either deal (``pad``), :func:`simulate_packed` runs it.
 
 In this model, three causal documents of 59, 29 and 42 tiles on 132 programs with 16 heads
-(``c = 1``, ``r = 0.15``) finish ``shift`` 17% later with the padded deal than without (578 against
-492 in offset order, 491 longest first), and ``descending`` and ``atomic`` 1-3% sooner; on an H100 the Hopper kernel dealt without
-padding ran ``shift`` 12.5% faster there (2.84 against 3.25 ms at d128), ``descending`` and
-``atomic`` 3-5% slower (docs/kernels-notes.md).
+(``c = 1``, ``r = 0.15``) finish ``shift`` 17% later with the padded deal than without (578
+against 492 in offset order, 491 longest first), and ``descending`` and ``atomic`` 1-3% sooner;
+on an H100 the Hopper kernel dealt without padding ran ``shift`` 12.5% faster there (2.84
+against 3.25 ms at d128), ``descending`` and ``atomic`` 3-5% slower (docs/kernels-notes.md).
 """
 
 from __future__ import annotations

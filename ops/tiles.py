@@ -129,7 +129,8 @@ def sequence_tiles(CU_Q, CU_K, seq, total_q, total_k, max_q, max_k, BLOCK_N: tl.
     q_hi = q_lo + seq_l
     k_hi = k_lo + seq_s
     keys = (seq_s > 0).to(tl.int32)
-    return (q0, k0, q_lo, q_hi, k_lo, k_hi, tl.cdiv(q_hi, BLOCK_N) * keys * (seq_l > 0).to(tl.int32),
+    queries = (seq_l > 0).to(tl.int32)
+    return (q0, k0, q_lo, q_hi, k_lo, k_hi, tl.cdiv(q_hi, BLOCK_N) * keys * queries,
             tl.cdiv(k_hi, BLOCK_N) * keys)
 
 

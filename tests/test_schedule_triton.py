@@ -184,9 +184,9 @@ def _window_counts(count_out, n_q, block, left, right, BLOCK: tl.constexpr,
 
 
 def test_window_range_of_a_sequence_without_queries_is_empty():
-    """A packed sequence with keys and no queries has KV tiles and no Q tile (``tiles.sequence_tiles``):
-    its tiles must visit nothing, though Triton's integer division truncates the empty range's
-    last row (-1) to tile 0."""
+    """A packed sequence with keys and no queries has KV tiles and no Q tile
+    (``tiles.sequence_tiles``): its tiles must visit nothing, though Triton's integer division
+    truncates the empty range's last row (-1) to tile 0."""
     for left, right, causal in WINDOWS:
         counts = torch.full((8,), -7, dtype=torch.int32, device=DEVICE)
         _window_counts[(1,)](counts, 0, 3, left, right, BLOCK=8, CAUSAL=causal)
