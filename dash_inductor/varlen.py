@@ -207,13 +207,14 @@ def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_
     # the leaves' strides: a (T, H, D) view of (H, T, D) memory gets (H, T, D) gradients. The
     # packed kernels write every element (keys without queries included); the per-sequence
     # launches and the reference leave such keys alone.
-    packed_kernels = _uses_triton(query, cpu_backend) and not _per_sequence(query, kernel_path)
-    allocate = torch.empty_like if packed_kernels else torch.zeros_like
+    kernels = _uses_triton(query, cpu_backend)
+    per_sequence = kernels and _per_sequence(query, kernel_path)
+    allocate = torch.empty_like if kernels and not per_sequence else torch.zeros_like
     grads = tuple(allocate(t) for t in (query, key, value))
-    if not _uses_triton(query, cpu_backend):
+    if not kernels:
         reference_varlen.backward(grad_out, query, key, value, out, logsumexp, segments,
                                   _scale(query, scale), window, *grads)
-    elif _per_sequence(query, kernel_path):
+    elif per_sequence:
         _per_sequence_backward(grad_out, query, key, value, out, logsumexp, segments,
                                _scale(query, scale), window, grads, schedule, max_spin,
                                kernel_path)

@@ -116,6 +116,14 @@ def diagonal_origin(seq_l, seq_s, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def crosses_edge(first, SIZE: tl.constexpr, lo, hi):
+    """Whether rows (or keys) [first, first + SIZE) of a tile reach outside a packed sequence's
+    [lo, hi): only such a boundary tile holds a neighbour's rows, to zero or to leave out (the
+    Hopper backward's partitions, and its preprocess, which clears such a sub-tile's dQ rows)."""
+    return (first < lo) | (first + SIZE > hi)
+
+
+@triton.jit
 def sequence_tiles(CU_Q, CU_K, seq, total_q, total_k, max_q, max_k, BLOCK_N: tl.constexpr,
                    ALIGNED: tl.constexpr):
     """(first query row, first key row, q_lo, q_hi, k_lo, k_hi, Q tiles, KV tiles) of packed

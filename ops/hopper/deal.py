@@ -44,32 +44,24 @@ def write_item_prefix(CU_Q, CU_K, PREFIX, num_seqs, total_q, total_k, max_q, max
     tiles first, ties in offset order; else the offsets' order, BLOCK sequences at a time. One
     program (the packed preprocess, ``packed_prep.py``, runs it)."""
     tl.store(PREFIX, 0)
-    if SORT:
-        index = tl.arange(0, BLOCK)
+    carry = 0
+    for start in range(0, num_seqs, BLOCK):  # SORT: one block
+        index = start + tl.arange(0, BLOCK)
         inside = index < num_seqs
         seq = tl.minimum(index, num_seqs - 1)
         tiles_kv = sequence_tiles(CU_Q, CU_K, seq, total_q, total_k, max_q, max_k, BLOCK_N,
                                   ALIGNED)[7]
-        # One ascending sort of (fewest tiles missing, then offset order), padding lanes last:
-        # the key carries both the tile count and the sequence.
-        most = tl.cdiv(max_q + max_k, BLOCK_N)
-        key = tl.where(inside, (most - tiles_kv).to(tl.int64) * BLOCK + index,
-                       (1 << 62) + index.to(tl.int64))
-        ordered = tl.sort(key)
-        order = (ordered % BLOCK).to(tl.int32)
-        tiles_kv = most - (ordered // BLOCK).to(tl.int32)
+        order = index
+        if SORT:
+            # One ascending sort of (fewest tiles missing, then offset order), padding lanes
+            # last: the key carries both the tile count and the sequence.
+            most = tl.cdiv(max_q + max_k, BLOCK_N)
+            key = tl.where(inside, (most - tiles_kv).to(tl.int64) * BLOCK + index,
+                           (1 << 62) + index.to(tl.int64))
+            ordered = tl.sort(key)
+            order = (ordered % BLOCK).to(tl.int32)
+            tiles_kv = most - (ordered // BLOCK).to(tl.int32)
         items = tl.where(inside, sch.items_in_head(tiles_kv, CAUSAL, SCHEDULE), 0)
-        tl.store(PREFIX + 1 + index, tl.cumsum(items, 0), mask=inside)
+        tl.store(PREFIX + 1 + index, carry + tl.cumsum(items, 0), mask=inside)
         tl.store(PREFIX + num_seqs + 1 + index, order, mask=inside)
-    else:
-        carry = 0
-        for start in range(0, num_seqs, BLOCK):
-            index = start + tl.arange(0, BLOCK)
-            inside = index < num_seqs
-            seq = tl.minimum(index, num_seqs - 1)
-            tiles_kv = sequence_tiles(CU_Q, CU_K, seq, total_q, total_k, max_q, max_k, BLOCK_N,
-                                      ALIGNED)[7]
-            items = tl.where(inside, sch.items_in_head(tiles_kv, CAUSAL, SCHEDULE), 0)
-            tl.store(PREFIX + 1 + index, carry + tl.cumsum(items, 0), mask=inside)
-            tl.store(PREFIX + num_seqs + 1 + index, index, mask=inside)
-            carry += tl.sum(items, 0)
+        carry += tl.sum(items, 0)

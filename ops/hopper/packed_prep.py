@@ -29,7 +29,7 @@ import triton.language as tl
 from .. import catalog
 from ..configs import head_dim_bucket
 from ..preprocess import BLOCK, row_delta
-from ..tiles import diagonal_origin, exp2_logsumexp, sequence_bounds
+from ..tiles import crosses_edge, diagonal_origin, exp2_logsumexp, sequence_bounds
 from .deal import MAX_SORTED, write_item_prefix
 
 
@@ -100,7 +100,7 @@ def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX, DQACC,
         else:
             keyless = seq_s == 0
         sub_tile = (q_lo + offset) // BOX_M * BOX_M  # tile rows: the sequence's start at q_lo
-        crossing = (sub_tile < q_lo) | (sub_tile + BOX_M > q_lo + seq_l)
+        crossing = crosses_edge(sub_tile, BOX_M, q_lo, q_lo + seq_l)
         acc_cols = tl.arange(0, HEAD_ACC)
         tl.store(DQACC + (h.to(tl.int64) * total_q + rows[:, None]) * HEAD_ACC + acc_cols[None, :],
                  tl.zeros([BLOCK_M, HEAD_ACC], tl.float32),

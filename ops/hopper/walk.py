@@ -141,11 +141,8 @@ def step_rows(step, kv, first, count, tiles_q, tiles_kv, q_lo, q_hi, BLOCK_M: gl
     return qt, row0, live
 
 
-@gluon.jit
-def crosses_edge(first, SIZE: gl.constexpr, lo, hi):
-    """Whether rows (or keys) [first, first + SIZE) of a tile reach outside a packed sequence's
-    [lo, hi): only such a boundary tile holds a neighbour's rows, to zero or to leave out."""
-    return (first < lo) | (first + SIZE > hi)
+#: Whether a tile's rows or keys reach outside its packed sequence (``tiles.crosses_edge``).
+crosses_edge = tiles.crosses_edge
 
 
 #: A packed tile's key outside its sequence, recoded (``key_order``): beyond any tile coordinate.
