@@ -378,6 +378,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     WRITER_FREES: gl.constexpr = COMPUTE_DQ and (DK_IN_FLIGHT or NAMED_HANDOFF)
     # The named hand-off's participants: the compute warps and the writer's one warp.
     HANDOFF_THREADS: gl.constexpr = 32 * num_warps + 32
+    gl.static_assert(not NAMED_HANDOFF or DQ_STAGES <= LAST_NAMED_BARRIER - 1,
+                     "one named barrier per dQ buffer, above the two of the warp specialization")
     # KV tile visits per work item (``walk.visit_heads``): one per slot and VISIT_HEADS query
     # heads (the whole group: one per slot).
     VISITS: gl.constexpr = NUM_SLOTS * (GROUP // VISIT_HEADS)

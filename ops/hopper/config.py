@@ -118,9 +118,22 @@ def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
     mask (56 bytes to none) and halves them causal: 4k ``descending`` 501-507 TFLOP/s against
     473-476, causal ``shift`` 425-428 against 406-410, GQA 4:1 unmasked 505 against 496, GQA
     causal and head dim 64 (no spills either way) tied.
+
+    At head dim 64 a step is short (64 x 128 x 64 MMAs) and the writer's fp32 round trip, 16 KiB
+    a partial, takes a larger share of it: four dQ buffers and four Q/dO stages (178 KiB of
+    shared memory against 114) let the compute warps run ahead of a writer that waits for its
+    turn. Same bits; H100, all GPU work of a packed call (profiler, ``shift``, 16k tokens, 32
+    heads): three documents causal 3.05 ms to 2.73-2.75, unmasked 5.80-5.84 to 5.24-5.28, 4 x
+    4096 1.96-1.98 to 1.88-1.90; dense TFLOP/s (``bench/hopper_tune.py``, 4k unless said):
+    ``descending`` unmasked 382 to 398, GQA 4:1 385 to 410, 16k 398 to 419; ``shift`` causal
+    358 to 361, GQA 365 to 377, 16k 386-394 to 400-402; only causal ``descending``, which
+    ``auto`` does not run, lost 1-2% at 16k. Two, three, five and six buffers, and five or six
+    stages, measured between (``bench/results/2026-11-24-h100-9fad014/``).
     """
     causal_128 = head_dim == 128 and causal
-    return HopperBackwardConfig(dk_in_flight=head_dim == 128 and not causal,
+    deep = head_dim == 64
+    return HopperBackwardConfig(stages=4 if deep else 3, dq_stages=4 if deep else 1,
+                                dk_in_flight=head_dim == 128 and not causal,
                                 named_handoff=not causal_128,
                                 writer_regs=40 if head_dim == 128 else 48,
                                 heads_outer=head_dim == 128)
