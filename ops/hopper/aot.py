@@ -49,12 +49,12 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
     dq_block = f"tensordesc<fp32[{cfg.block_m}, {head_dim}],{dq_layout!r}>"
     signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "do_desc": q_block,
                  "lse_desc": stats_block, "delta_desc": stats_block, "dq_desc": dq_block,
-                 "DK": f"*{dtype}", "DV": f"*{dtype}",
-                 "DQACC": "*fp32", "STASH": "*fp32", "TICKETS": "*i32", "ERR": "*i32",
-                 "CU_Q": "*i32",
+                 "DK": f"*{dtype}", "DV": f"*{dtype}", "DQACC": "*fp32", "DQ": f"*{dtype}",
+                 "STASH": "*fp32", "TICKETS": "*i32", "ERR": "*i32", "CU_Q": "*i32",
                  "CU_K": "*i32", "PREFIX": "*i32"}
     signature.update({name: "i64" for name in ("stride_dkb", "stride_dkh", "stride_dkn",
-                                               "stride_dvb", "stride_dvh", "stride_dvn")})
+                                               "stride_dvb", "stride_dvh", "stride_dvn",
+                                               "stride_dqt", "stride_dqh")})
     signature.update({name: "i32" for name in ("HQ", "HKV", "L", "S", "n_q", "n_kv", "max_q",
                                                "max_k", "row_stride", "stats_stride", "win_left",
                                                "win_right", "items_per_head", "total_items")})

@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
-from . import walk
+from . import dq_tail, walk
 from .dq_writer import dq_writer_partition
 from .primitives import (LAST_NAMED_BARRIER, named_barrier_arrive, partition_barrier, tma_load,
                          zero_outside)
@@ -240,16 +240,17 @@ def _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb, st
 @gluon.jit
 def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                        q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, STASH,
-                       CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
-                       stride_dvh, stride_dvn,
-                       HQ, HKV, L, S, n_q, n_kv, max_q, max_k, win_left, win_right,
-                       items_per_head, total_items, qk_scale, sm_scale,
+                       DQACC, DQ, FINISHED, ERR, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh,
+                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_dqt, stride_dqh,
+                       HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
+                       win_right, items_per_head, total_items, qk_scale, sm_scale, max_spin,
                        GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                        NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, EVEN_S: gl.constexpr,
                        DK_IN_FLIGHT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                        NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
                        HANDOFF_THREADS: gl.constexpr, VISIT_HEADS: gl.constexpr,
-                       VISITS: gl.constexpr, UNPADDED: gl.constexpr, num_warps: gl.constexpr):
+                       VISITS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
+                       num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -331,12 +332,17 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                     _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb,
                                  stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                                  sm_scale, offs_kn, offs_kd, dtype)
+    if TAIL_CONVERT:  # out of items: convert the finished rows while the others compute
+        dq_tail.convert_tail(DQACC, DQ, FINISHED, ERR, CU_Q, PREFIX, stride_dqt, stride_dqh, HQ,
+                             HKV, row_stride, items_per_head, total_items, max_spin, GROUP,
+                             HEAD_D, num_warps)
 
 
 @gluon.jit
 def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, DQACC,
-                    STASH, TICKETS, ERR, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh,
-                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv,
+                    DQ, STASH, TICKETS, ERR, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh,
+                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_dqt, stride_dqh, HQ,
+                    HKV, L, S, n_q, n_kv,
                     max_q, max_k, row_stride, stats_stride, win_left, win_right,
                     items_per_head, total_items, qk_scale,
                     sm_scale, max_spin,
@@ -346,8 +352,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
                     DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
-                    VISIT_HEADS: gl.constexpr, UNPADDED: gl.constexpr, LOAD_REGS: gl.constexpr,
-                    WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                    VISIT_HEADS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
+                    LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
     Dense: rank-4 descriptors over (B, heads, rows, D) in the tensors' own strides, row stats and
@@ -383,6 +389,9 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     # KV tile visits per work item (``walk.visit_heads``): one per slot and VISIT_HEADS query
     # heads (the whole group: one per slot).
     VISITS: gl.constexpr = NUM_SLOTS * (GROUP // VISIT_HEADS)
+    # TAIL_CONVERT: each (sequence, KV head)'s finished items, counted after the tickets
+    # (``dq_tail.py``).
+    FINISHED = TICKETS + HQ * row_stride
 
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
@@ -410,13 +419,14 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     gl.warp_specialize([
         (_compute_partition, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                               q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV,
-                              STASH, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh, stride_dkn,
-                              stride_dvb, stride_dvh, stride_dvn, HQ, HKV, L, S, n_q, n_kv, max_q,
-                              max_k,
-                              win_left, win_right, items_per_head, total_items, qk_scale, sm_scale,
+                              STASH, DQACC, DQ, FINISHED, ERR, CU_Q, CU_K, PREFIX, stride_dkb,
+                              stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                              stride_dqt, stride_dqh, HQ, HKV, L, S, n_q, n_kv, max_q,
+                              max_k, row_stride, win_left, win_right, items_per_head, total_items,
+                              qk_scale, sm_scale, max_spin,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, HANDOFF_THREADS,
-                              VISIT_HEADS, VISITS, UNPADDED, num_warps)),
+                              VISIT_HEADS, VISITS, UNPADDED, TAIL_CONVERT, num_warps)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
@@ -424,10 +434,10 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, VISIT_HEADS,
                            VISITS, UNPADDED)),
         (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS,
-                               ERR, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
-                               row_stride, win_left, win_right, items_per_head, total_items,
-                               max_spin, GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, BLOCK_N, COMPUTE_DQ,
-                               ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA, WRITER_FREES,
+                               FINISHED, ERR, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q,
+                               max_k, row_stride, win_left, win_right, items_per_head,
+                               total_items, max_spin, GROUP, CAUSAL, SCHEDULE, NUM_SLOTS,
+                               BLOCK_N, COMPUTE_DQ, ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA, WRITER_FREES,
                                DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS, VISIT_HEADS,
-                               VISITS, UNPADDED)),
+                               VISITS, UNPADDED, TAIL_CONVERT)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

@@ -79,7 +79,9 @@ class HopperBackwardConfig:
     the schedules whose items of a head must run at once (``shift``): on three documents of
     7429, 3667 and 5288 tokens (H100, d128, causal) ``shift`` took 2.84-2.86 ms against 3.25,
     unmasked 4.56-4.62 against 5.34, with the same bits; ``descending`` and ``atomic`` were 3-6%
-    slower unpadded there, so they keep the padded deal. Three Q/dO stages and one dQ buffer
+    slower unpadded there, so they keep the padded deal. ``tail_convert``: where the deal is
+    unpadded, the programs that run out of items convert the finished rows of the dQ
+    accumulator into the gradient (``dq_tail.py``) instead of a launch after the kernel. Three Q/dO stages and one dQ buffer
     measured faster than two and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an
     H100; with the TMA writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower
     causal in one run (411 vs 424; 16k causal 462 vs 465), so one config serves both. The TMA
@@ -102,6 +104,7 @@ class HopperBackwardConfig:
     heads_outer: bool = True
     visit_heads: int = 2
     unpadded_deal: bool = True
+    tail_convert: bool = True
 
 
 def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
@@ -129,10 +132,19 @@ def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
     358 to 361, GQA 365 to 377, 16k 386-394 to 400-402; only causal ``descending``, which
     ``auto`` does not run, lost 1-2% at 16k. Two, three, five and six buffers, and five or six
     stages, measured between (``bench/results/2026-11-24-h100-9fad014/``).
+
+    The packed kernel converts its dQ in its own tail at head dim 128 (``tail_convert``), where
+    all GPU work of a call measured 0.5-3% less (H100, ``shift``, 16k tokens, bits equal; two
+    alternating rounds each): three documents causal 2.33 ms to 2.28-2.32, unmasked 4.29-4.31 to
+    4.18, seven documents 1.45-1.46 to 1.43, 4 x 4096 1.59-1.60 to 1.58-1.59. At head dim 64 it
+    measured 0.3-1% slower (three documents 2.74-2.76 against 2.75-2.77, 4 x 4096 1.90-1.91
+    against 1.92), so there the conversion stays a launch of its own
+    (``bench/results/2026-11-24-h100-939f48d-dirty/``).
     """
     causal_128 = head_dim == 128 and causal
     deep = head_dim == 64
     return HopperBackwardConfig(stages=4 if deep else 3, dq_stages=4 if deep else 1,
+                                tail_convert=head_dim == 128,
                                 dk_in_flight=head_dim == 128 and not causal,
                                 named_handoff=not causal_128,
                                 writer_regs=40 if head_dim == 128 else 48,
@@ -219,6 +231,12 @@ def unpadded_deal(cfg: HopperBackwardConfig, schedule: str, varlen: bool) -> boo
     return cfg.unpadded_deal and varlen and get_schedule(schedule).coresident_head
 
 
+def tail_convert(cfg: HopperBackwardConfig, schedule: str, varlen: bool) -> bool:
+    """Whether the kernel converts dQ itself, in its tail (``dq_tail.py``): where the deal is
+    unpadded, whose order its conversion follows."""
+    return cfg.tail_convert and unpadded_deal(cfg, schedule, varlen)
+
+
 def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
                         cfg: HopperBackwardConfig, window: bool = False,
                         varlen: bool = False) -> dict[str, object]:
@@ -233,5 +251,6 @@ def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
                 NAMED_HANDOFF=cfg.named_handoff,
                 VISIT_HEADS=visit_heads(cfg, sched.slots(causal), group, window, varlen),
                 UNPADDED=unpadded_deal(cfg, schedule, varlen),
+                TAIL_CONVERT=tail_convert(cfg, schedule, varlen),
                 LOAD_REGS=cfg.load_regs,
                 WRITER_REGS=cfg.writer_regs, num_warps=cfg.num_warps)

@@ -8,7 +8,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from . import walk
+from . import dq_tail, walk
 from .primitives import (LAST_NAMED_BARRIER, named_barrier_sync, partition_barrier, red_add,
                          red_add_rows, tma_add, tma_store, tma_writes_performed)
 
@@ -24,16 +24,16 @@ def _take_partial(dq_ready, it, NAMED_HANDOFF: gl.constexpr, HANDOFF_THREADS: gl
 
 
 @gluon.jit
-def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, ERR,
-                        CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride,
-                        win_left, win_right, items_per_head, total_items, max_spin,
+def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, FINISHED,
+                        ERR, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+                        row_stride, win_left, win_right, items_per_head, total_items, max_spin,
                         GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                         NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
                         ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
                         VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
                         PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
                         HANDOFF_THREADS: gl.constexpr, VISIT_HEADS: gl.constexpr,
-                        VISITS: gl.constexpr, UNPADDED: gl.constexpr):
+                        VISITS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
     TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
     with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release a
@@ -42,7 +42,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
     step fewer for them, each of which costs them two barriers). NAMED_HANDOFF: the partial
     comes on a named barrier of HANDOFF_THREADS threads, else on the ``dq_ready`` mbarrier.
     An item visits its KV tiles once per VISIT_HEADS query heads (``walk.visit_heads``), VISITS
-    times in all.
+    times in all. TAIL_CONVERT: count each finished item in FINISHED (``dq_tail.py``).
 
     Ordered, the first rank of every partial stores it instead of adding it, so DQACC need not
     be cleared (FlashAttention-3's preprocess clears it): the launchers clear only rows that no
@@ -149,3 +149,5 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                                 partition_barrier()
                                 gl.atomic_add(ticket, 1, sem="release")
                             it += 1
+        if TAIL_CONVERT:  # every add of the item is performed and released
+            dq_tail.item_finished(FINISHED, b, hkv, HKV)

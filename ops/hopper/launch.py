@@ -28,9 +28,10 @@ from ..launch import watch_spin_flag
 from ..plan import Plan
 from ..preprocess import compute_delta, prepare, zeroed_tickets
 from ..tiles import LOG2E
+from . import dq_tail
 from .backward import backward_kernel
 from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
-                     backward_constexprs, forward_constexprs, ordered_programs,
+                     backward_constexprs, forward_constexprs, ordered_programs, tail_convert,
                      unpadded_deal)
 from .packed_prep import packed_prepare
 from .forward import forward_kernel
@@ -191,11 +192,13 @@ def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor | None,
             tickets: torch.Tensor, error_flag: torch.Tensor, packed: tuple | None,
             prefix: torch.Tensor | None, sizes: tuple[int, ...], schedule: catalog.Schedule,
             cfg: HopperBackwardConfig, *, is_causal: bool, window: tuple[int, int], scale: float,
-            max_spin: int, even_s: bool) -> tuple[int]:
+            max_spin: int, even_s: bool, dq: torch.Tensor | None = None) -> tuple[int]:
     """One launch of the backward kernel over (B, H, N, D) ``views`` = (q, k, v, grad_out, dk,
     dv); ``sizes`` = (batch entries, L, S, Q tiles, KV tiles, rows per head of the dQ
     accumulator, of the stats); ``dq_acc`` None when dQ is computed apart; ``tickets`` and
-    ``error_flag`` zeros; ``prefix`` the unpadded deal's (``packed_prep.py``); return the grid."""
+    ``error_flag`` zeros; ``prefix`` the unpadded deal's (``packed_prep.py``); ``dq`` the (T, H,
+    D) gradient where the kernel converts the accumulator itself (``dq_tail.py``, its counters
+    after the tickets); return the grid."""
     q, k, v, grad_out, dk, dv = views
     batch, seq_q, seq_k, n_q, n_kv, row_stride, stats_stride = sizes
     hq, hkv = q.shape[1], k.shape[1]
@@ -208,14 +211,15 @@ def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor | None,
         stash = torch.empty((grid[0], constexprs["NUM_SLOTS"], 2, cfg.block_n, q.shape[3]),
                             device=q.device, dtype=torch.float32)
     dk_batch, dv_batch = (0, 0) if packed else (dk.stride(0), dv.stride(0))
+    dq_strides = dq.stride()[:2] if constexprs["TAIL_CONVERT"] else (0, 0)
     backward_kernel[grid](
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
         _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
         _row_descriptor(stats[1], cfg.block_m),
         _accumulator_descriptor(dq_acc, cfg.block_m, q.shape[3], q.device), dk, dv,
-        stats if dq_acc is None else dq_acc, stash, tickets, error_flag, cu_q, cu_k,
-        tickets if prefix is None else prefix,
-        dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2),
+        stats if dq_acc is None else dq_acc, dk if dq is None else dq, stash, tickets,
+        error_flag, cu_q, cu_k, tickets if prefix is None else prefix,
+        dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2), *dq_strides,
         hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, row_stride, stats_stride, *window,
         per_head,
         total_items, scale * LOG2E, scale, max_spin, **constexprs)
@@ -322,13 +326,15 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         causal=is_causal, schedule=schedule, block_m=cfg.block_m, block_n=cfg.block_n,
         with_prefix=unpadded_deal(cfg, schedule.name, True),
         keyless_rows=dq_acc if schedule.ordered else None)
-    tickets, flags = zeroed_tickets(hq * tq, q.device)
+    in_kernel = tail_convert(cfg, schedule.name, True) and dq.stride(2) == 1
+    tickets, flags = zeroed_tickets(
+        hq * tq + (dq_tail.counters(num_seqs, k.shape[1]) if in_kernel else 0), q.device)
     error_flag = flags[:1]
     dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
     grid = _launch((q4, k4, v4, do4, dk4, dv4), stats, dq_acc, tickets, error_flag, packed,
                    prefix, (num_seqs, tq, tk, n_q, n_kv, tq, stats_stride), schedule, cfg,
                    is_causal=is_causal, window=window, scale=scale, max_spin=max_spin,
-                   even_s=False)
+                   even_s=False, dq=dq if in_kernel else None)
     if schedule.separate_dq:
         virtual = (t.transpose(0, 1).unsqueeze(0).expand(num_seqs, -1, -1, -1)
                    for t in (q, k, v, grad_out, dq))
@@ -337,7 +343,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         launch_dq_pass(vq, vk, vv, vdo, lse, delta, None, vdq, is_causal=is_causal, scale=scale,
                        cfg=portable_backward_config(head_d, q.dtype, is_causal, 9), window=window,
                        packed=packed)
-    else:
+    elif not in_kernel:
         convert_dq(dq_acc, dq.transpose(0, 1).unsqueeze(0))
     if schedule.ordered:
         watch_spin_flag(error_flag, f"{shape}, schedule {schedule.name!r}")
