@@ -22,6 +22,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from . import walk
+from .primitives import await_count
 
 #: Units of rows a (sequence, query head) is converted in.
 CHUNKS = gl.constexpr(8)
@@ -63,13 +64,7 @@ def convert_tail(DQACC, DQ, FINISHED, ERR, CU_Q, PREFIX, stride_dqt, stride_dqh,
         chunk = unit % CHUNKS
         b = gl.load(PREFIX + entries + 1 + j)
         items = gl.load(PREFIX + j + 1) - gl.load(PREFIX + j)
-        counter = FINISHED + b * HKV + hq // GROUP
-        seen = gl.atomic_add(counter, 0, sem="acquire")
-        spins = 0
-        while (seen != items) & (spins < max_spin):
-            seen = gl.atomic_add(counter, 0, sem="acquire")
-            spins += 1
-        gl.atomic_max(ERR, 1, mask=seen != items)
+        await_count(FINISHED + b * HKV + hq // GROUP, items, ERR, max_spin)
         q0 = gl.load(CU_Q + b)
         length = gl.load(CU_Q + b + 1) - q0
         per_chunk = (length + CHUNKS - 1) // CHUNKS

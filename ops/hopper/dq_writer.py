@@ -9,8 +9,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from . import dq_tail, walk
-from .primitives import (LAST_NAMED_BARRIER, named_barrier_sync, partition_barrier, red_add,
-                         red_add_rows, tma_add, tma_store, tma_writes_performed)
+from .primitives import (LAST_NAMED_BARRIER, await_count, named_barrier_sync, partition_barrier,
+                         red_add, red_add_rows, tma_add, tma_store, tma_writes_performed)
 
 
 @gluon.jit
@@ -99,12 +99,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                                 # back the release of the loader's stage.
                                 turn = walk.rank(qt, kv, tiles_q, tiles_kv, BLOCK_N, win_left,
                                                  CAUSAL, WINDOW, SCHEDULE)
-                                seen = gl.atomic_add(ticket, 0, sem="acquire")
-                                spins = 0
-                                while (seen != turn) & (spins < max_spin):
-                                    seen = gl.atomic_add(ticket, 0, sem="acquire")
-                                    spins += 1
-                                gl.atomic_max(ERR, 1, mask=seen != turn)
+                                await_count(ticket, turn, ERR, max_spin)
                             if not FREES_STAGES:
                                 _take_partial(dq_ready, it, NAMED_HANDOFF, HANDOFF_THREADS)
                             base = DQACC + (row_base + row0).to(gl.int64) * HEAD_D

@@ -48,6 +48,18 @@ def named_barrier_sync(index, threads: gl.constexpr):
                               dtype=gl.int32, is_pure=False, pack=1)
 
 
+@gluon.jit
+def await_count(counter, value, ERR, max_spin):
+    """Wait (acquire) until int32 ``counter`` holds ``value``, at most ``max_spin`` polls; past
+    them set the error flag ERR, which the launcher turns into an exception (no wait hangs)."""
+    seen = gl.atomic_add(counter, 0, sem="acquire")
+    spins = 0
+    while (seen != value) & (spins < max_spin):
+        seen = gl.atomic_add(counter, 0, sem="acquire")
+        spins += 1
+    gl.atomic_max(ERR, 1, mask=seen != value)
+
+
 @builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """TMA reduce-add of shared tile ``src`` into the box at ``coord`` (the op that Triton 3.9
