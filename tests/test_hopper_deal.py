@@ -9,11 +9,14 @@ import itertools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dash_inductor import schedule
 from dash_inductor.ops import catalog
+from dash_inductor.ops.hopper.dq_tail import CHUNKS, chunk_rows
 from dash_inductor.ops.hopper.packed_prep import packed_prepare
 from dash_inductor.packed_schedule import packed_plans
 
@@ -106,3 +109,48 @@ def test_only_schedules_whose_items_run_at_once_deal_unpadded():
         assert not unpadded_deal(cfg, name, False)
     assert any(unpadded_deal(cfg, name, True) for name in catalog.NAMES)
     assert not unpadded_deal(HopperBackwardConfig(unpadded_deal=False), "shift", True)
+
+
+def test_the_tail_conversion_runs_where_the_deal_is_unpadded_and_the_config_asks():
+    """The packed kernel converts dQ in its tail only under the unpadded deal (whose order it
+    claims rows in) and where its config asks (head dim 128), and needs one counter per
+    (sequence, KV head) and a claim counter after the tickets."""
+    from dash_inductor.ops.hopper import dq_tail
+    from dash_inductor.ops.hopper.config import backward_config, tail_convert, unpadded_deal
+
+    for head_dim, causal, name, varlen in itertools.product(
+            (64, 128), (False, True), catalog.NAMES, (False, True)):
+        cfg = backward_config(head_dim, causal)
+        assert tail_convert(cfg, name, varlen) == (
+            head_dim == 128 and unpadded_deal(cfg, name, varlen))
+    assert dq_tail.counters(num_seqs=5, hkv=4) == 5 * 4 + 1
+
+
+@triton.jit
+def _chunk_bounds_kernel(CU_Q, LO, HI, UNITS: tl.constexpr):
+    b, chunk = tl.program_id(0), tl.program_id(1)
+    q0 = tl.load(CU_Q + b)
+    lo, hi = chunk_rows(q0, tl.load(CU_Q + b + 1) - q0, chunk, UNITS)
+    tl.store(LO + b * UNITS + chunk, lo)
+    tl.store(HI + b * UNITS + chunk, hi)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_tail_conversion_units_cover_every_packed_row_once(seed):
+    """Each sequence's units (``dq_tail.chunk_rows``, run by the interpreter) split its rows
+    into disjoint runs that cover them, empty sequences and ones shorter than their units
+    included."""
+    chunks = CHUNKS.value
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [0, 1, 3, chunks, *torch.randint(0, 300, (6,), generator=gen).tolist()]
+    cu_q = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    lo, hi = (torch.empty(len(lengths) * chunks, dtype=torch.int32) for _ in range(2))
+    _chunk_bounds_kernel[(len(lengths), chunks)](cu_q, lo, hi, UNITS=chunks)
+    covered = torch.zeros(int(cu_q[-1]), dtype=torch.int32)
+    for b in range(len(lengths)):
+        for c in range(chunks):
+            first, last = int(lo[b * chunks + c]), int(hi[b * chunks + c])
+            if first < last:
+                assert cu_q[b] <= first and last <= cu_q[b + 1]
+                covered[first:last] += 1
+    assert bool((covered == 1).all())

@@ -18,6 +18,8 @@ every item is run by a program that never waits on a conversion.
 
 from __future__ import annotations
 
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -34,6 +36,15 @@ def counters(num_seqs: int, hkv: int) -> int:
     """The int32 counters the tail conversion needs after the tickets: one per (sequence, KV
     head), one to claim units."""
     return num_seqs * hkv + 1
+
+
+@triton.jit
+def chunk_rows(q0, length, chunk, CHUNKS: tl.constexpr):
+    """Packed rows [lo, hi) of unit ``chunk`` of the CHUNKS a sequence's rows [q0, q0 + length)
+    are converted in (empty where the sequence is shorter than its chunks)."""
+    per_chunk = (length + CHUNKS - 1) // CHUNKS
+    lo = q0 + chunk * per_chunk
+    return lo, tl.minimum(lo + per_chunk, q0 + length)
 
 
 @gluon.jit
@@ -66,10 +77,7 @@ def convert_tail(DQACC, DQ, FINISHED, ERR, CU_Q, PREFIX, stride_dqt, stride_dqh,
         items = gl.load(PREFIX + j + 1) - gl.load(PREFIX + j)
         await_count(FINISHED + b * HKV + hq // GROUP, items, ERR, max_spin)
         q0 = gl.load(CU_Q + b)
-        length = gl.load(CU_Q + b + 1) - q0
-        per_chunk = (length + CHUNKS - 1) // CHUNKS
-        lo = q0 + chunk * per_chunk
-        hi = gl.minimum(lo + per_chunk, q0 + length)
+        lo, hi = chunk_rows(q0, gl.load(CU_Q + b + 1) - q0, chunk, CHUNKS)
         for start in range(lo, hi, PASS_ROWS):
             rows = start + offs_r
             inside = gl.expand_dims(rows < hi, 1) & gl.expand_dims(offs_d < HEAD_D, 0)
