@@ -211,7 +211,9 @@ def _launch(views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor | None,
         stash = torch.empty((grid[0], constexprs["NUM_SLOTS"], 2, cfg.block_n, q.shape[3]),
                             device=q.device, dtype=torch.float32)
     dk_batch, dv_batch = (0, 0) if packed else (dk.stride(0), dv.stride(0))
-    dq_strides = dq.stride()[:2] if constexprs["TAIL_CONVERT"] else (0, 0)
+    if constexprs["TAIL_CONVERT"] != (dq is not None):
+        raise ValueError("the kernel converts dQ itself exactly when it is given the gradient")
+    dq_strides = (0, 0) if dq is None else dq.stride()[:2]
     backward_kernel[grid](
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
         _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
@@ -301,6 +303,8 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     (tq, hq, head_d), tk = q.shape, k.shape[0]
     num_seqs = cu_seq_q.numel() - 1
     cfg = cfg or backward_config(head_d, is_causal)
+    if dq.stride(2) != 1:  # the kernel's own conversion writes rows of contiguous elements
+        cfg = dataclasses.replace(cfg, tail_convert=False)
     aligned = is_causal or window != (-1, -1)
     span_q, span_k = (max(max_q, max_k),) * 2 if aligned else (max_q, max_k)
     n_q, n_kv = triton.cdiv(span_q, cfg.block_n), triton.cdiv(span_k, cfg.block_n)
@@ -326,7 +330,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         causal=is_causal, schedule=schedule, block_m=cfg.block_m, block_n=cfg.block_n,
         with_prefix=unpadded_deal(cfg, schedule.name, True),
         keyless_rows=dq_acc if schedule.ordered else None)
-    in_kernel = tail_convert(cfg, schedule.name, True) and dq.stride(2) == 1
+    in_kernel = tail_convert(cfg, schedule.name, True)
     tickets, flags = zeroed_tickets(
         hq * tq + (dq_tail.counters(num_seqs, k.shape[1]) if in_kernel else 0), q.device)
     error_flag = flags[:1]

@@ -201,6 +201,22 @@ def test_gradients_are_written_in_full_on_poisoned_memory(schedule, mask, cuda_p
             assert torch.equal(a, b), name
 
 
+def test_a_gradient_whose_head_dim_is_not_contiguous_has_the_same_bits(cuda_path):
+    """A query that is a permuted view, its head dim outermost in memory, gets its gradient in
+    the same layout (``empty_like``), which the packed kernel's own dQ conversion does not write
+    (it writes contiguous rows): the launcher then converts apart, to the same bits."""
+    _packed_only(cuda_path)
+    lens = PACKINGS["documents_16k"][0]
+    q, k, v, do = _inputs(lens, lens)
+    permuted = q.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    assert permuted.stride(2) != 1 and torch.equal(permuted, q)
+    for schedule in ("shift", "auto"):
+        base = _ours(q, k, v, do, lens, lens, (-1, 0), schedule)
+        other = _ours(permuted, k, v, do, lens, lens, (-1, 0), schedule)
+        for a, b in zip(base, other):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
 def test_no_host_synchronisation(schedule, cuda_path):
     """Forward and backward on CUDA never wait for the GPU (the offsets stay on the device)."""
