@@ -9,7 +9,8 @@ adds are performed), and a program claims units of (sequence, query head, eighth
 the deal's order, waits (bounded, like the writer's turns) until the sequence's items of that
 head are all finished, and writes the rows in the gradient's dtype and strides. A unit's values
 are the finished sums, so the bits are those of the separate conversion; which program converts
-what, and when, changes none.
+what, and when, changes none. It writes rows of contiguous elements: a gradient whose head dim
+is strided keeps the separate conversion (the launcher's choice).
 
 The counters follow the tickets (``ops/preprocess.zeroed_tickets``): one per (sequence, KV head)
 and then the claim counter. No wait can hang: a program converts only after its own items, so
@@ -59,8 +60,8 @@ def convert_tail(DQACC, DQ, FINISHED, ERR, CU_Q, PREFIX, stride_dqt, stride_dqh,
                  HKV, row_stride, items_per_head, total_items, max_spin, GROUP: gl.constexpr,
                  HEAD_D: gl.constexpr, num_warps: gl.constexpr):
     """Convert claimed units of DQACC (Hq, row_stride, HEAD_D) into DQ (T, Hq, HEAD_D), its last
-    dim contiguous, until none is left; units in the unpadded deal's order (``walk.work_head``): sequence, query head,
-    chunk."""
+    dim contiguous, until none is left; units in the unpadded deal's order (``walk.work_head``):
+    sequence, query head, chunk."""
     entries = walk._entries(total_items, items_per_head, HKV)
     units = entries * HQ * CHUNKS
     CLAIM = FINISHED + entries * HKV
