@@ -62,7 +62,7 @@ def convert_tail(DQACC, DQ, FINISHED, ERR, CU_Q, PREFIX, stride_dqt, stride_dqh,
     """Convert claimed units of DQACC (Hq, row_stride, HEAD_D) into DQ (T, Hq, HEAD_D), its last
     dim contiguous, until none is left; units in the unpadded deal's order (``walk.work_head``):
     sequence, query head, chunk."""
-    entries = walk._entries(total_items, items_per_head, HKV)
+    entries = walk.entry_count(total_items, items_per_head, HKV)
     units = entries * HQ * CHUNKS
     CLAIM = FINISHED + entries * HKV
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // HEAD_D, HEAD_D // 4], [num_warps, 1],

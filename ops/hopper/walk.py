@@ -24,7 +24,7 @@ from .packed_prep import stats_start
 
 
 @gluon.jit
-def _entries(total_items, items_per_head, HKV):
+def entry_count(total_items, items_per_head, HKV):
     """The batch entries (packed: sequences) of a launch of ``total_items``, each counted with
     ``items_per_head`` items per KV head."""
     return total_items // (items_per_head * HKV)
@@ -36,7 +36,7 @@ def work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED: gl.constexpr)
     ``items_per_head`` items per KV head), or, UNPADDED, the real items of packed sequences
     (``deal.py``)."""
     if UNPADDED:
-        result = gl.load(PREFIX + _entries(total_items, items_per_head, HKV)) * HKV
+        result = gl.load(PREFIX + entry_count(total_items, items_per_head, HKV)) * HKV
     else:
         result = total_items
     return result
@@ -49,7 +49,7 @@ def work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED: gl.const
     with PREFIX[j + 1] - PREFIX[j] (the last j with PREFIX[j] * HKV <= work, by binary search;
     the sequence at PREFIX[entries + 1 + j]: ``deal.py``)."""
     if UNPADDED:
-        entries = _entries(total_items, items_per_head, HKV)
+        entries = entry_count(total_items, items_per_head, HKV)
         lo = 0 * work
         hi = entries - 1
         while lo < hi:
