@@ -154,3 +154,18 @@ def test_the_tail_conversion_units_cover_every_packed_row_once(seed):
                 assert cu_q[b] <= first and last <= cu_q[b + 1]
                 covered[first:last] += 1
     assert bool((covered == 1).all())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_claimed_deal_runs_where_the_deal_is_unpadded_and_the_config_asks(causal):
+    """The load partition claims work from the counter only under the unpadded deal (the dense
+    and padded deals keep each program's fixed indices) and where the config asks (causal)."""
+    from dash_inductor.ops.hopper.config import (HopperBackwardConfig, backward_config,
+                                                 backward_constexprs)
+
+    for head_dim, name, varlen in itertools.product((64, 128), catalog.NAMES, (False, True)):
+        constexprs = backward_constexprs(name, causal, 1, False, backward_config(head_dim, causal),
+                                         varlen=varlen)
+        assert constexprs["CLAIMED"] == (causal and constexprs["UNPADDED"])
+    off = HopperBackwardConfig(claimed_deal=False)
+    assert not backward_constexprs("shift", causal, 1, False, off, varlen=True)["CLAIMED"]

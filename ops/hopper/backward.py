@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
-from . import dq_tail, walk
+from . import deal, dq_tail, walk
 from .dq_writer import dq_writer_partition
 from .loader import load_partition
 from .primitives import LAST_NAMED_BARRIER, named_barrier_arrive, partition_barrier, zero_outside
@@ -165,7 +165,8 @@ def _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb, st
 
 @gluon.jit
 def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
-                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV, STASH,
+                       q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, work_slots,
+                       work_ready, work_empty, DK, DV, STASH,
                        DQACC, DQ, FINISHED, ERR, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh,
                        stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_dqt, stride_dqh,
                        HQ, HKV, L, S, n_q, n_kv, max_q, max_k, row_stride, win_left,
@@ -176,7 +177,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                        NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
                        HANDOFF_THREADS: gl.constexpr, VISIT_HEADS: gl.constexpr,
                        VISITS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       CLAIMED: gl.constexpr, num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -199,7 +200,9 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
     it = 0
     tile = 0
     works = walk.work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED)
-    for work in range(gl.program_id(0), works, gl.num_programs(0)):
+    work = gl.program_id(0)
+    claim = 0
+    while work < works:
         b, hkv, item = walk.work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED)
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
@@ -258,6 +261,9 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                     _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb,
                                  stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                                  sm_scale, offs_kn, offs_kd, dtype)
+        work = deal.next_work(work, claim, work_slots, work_ready, work_empty, CLAIMED,
+                              num_warps)
+        claim += 1
     if TAIL_CONVERT:  # out of items: convert the finished rows while the others compute
         dq_tail.convert_tail(DQACC, DQ, FINISHED, ERR, CU_Q, PREFIX, stride_dqt, stride_dqh, HQ,
                              HKV, row_stride, items_per_head, total_items, max_spin, GROUP,
@@ -279,7 +285,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
                     DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
                     VISIT_HEADS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
-                    LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                    CLAIMED: gl.constexpr, LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
+                    num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
     Dense: rank-4 descriptors over (B, heads, rows, D) in the tensors' own strides, row stats and
@@ -288,7 +295,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     (Hq, row_stride) by packed row, the stats over (Hq, stats_stride) with sequence b's rows from
     ``packed_prep.stats_start``; batch entry b is sequence b of the offsets CU_Q, CU_K (L, S:
     totals); UNPADDED: the items are dealt by PREFIX (``deal.py``), else every sequence has
-    ``items_per_head``. VISIT_HEADS < GROUP: STASH holds each program's fp32 dK and dV of its
+    ``items_per_head``; CLAIMED: each program's items after its first are claimed from a counter
+    (``deal.py``). VISIT_HEADS < GROUP: STASH holds each program's fp32 dK and dV of its
     items' KV tiles between their visits, (programs, NUM_SLOTS, 2, BLOCK_N, D).
     """
     dtype: gl.constexpr = q_desc.dtype
@@ -315,9 +323,10 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     # KV tile visits per work item (``walk.visit_heads``): one per slot and VISIT_HEADS query
     # heads (the whole group: one per slot).
     VISITS: gl.constexpr = NUM_SLOTS * (GROUP // VISIT_HEADS)
-    # TAIL_CONVERT: each (sequence, KV head)'s finished items, counted after the tickets
-    # (``dq_tail.py``).
-    FINISHED = TICKETS + HQ * row_stride
+    # Packed, after the tickets: the deal's claim counter (CLAIMED), then each (sequence, KV
+    # head)'s finished items (TAIL_CONVERT, ``dq_tail.py``).
+    CLAIMS = TICKETS + HQ * row_stride
+    FINISHED = CLAIMS + 1
 
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
@@ -333,6 +342,11 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    # CLAIMED: the claimed work indices, from the load partition to the other two.
+    work_slots = gl.allocate_shared_memory(gl.int32, [2, 32],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    work_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    work_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
@@ -341,29 +355,34 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
         mbarrier.init(dq_empty.index(i), count=1)
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(kv_empty, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(work_ready.index(i), count=1)
+        mbarrier.init(work_empty.index(i), count=2 if COMPUTE_DQ else 1)
 
     gl.warp_specialize([
         (_compute_partition, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
-                              q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, DK, DV,
-                              STASH, DQACC, DQ, FINISHED, ERR, CU_Q, CU_K, PREFIX, stride_dkb,
-                              stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                              q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty,
+                              work_slots, work_ready, work_empty, DK, DV, STASH, DQACC, DQ,
+                              FINISHED, ERR, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                               stride_dqt, stride_dqh, HQ, HKV, L, S, n_q, n_kv, max_q,
                               max_k, row_stride, win_left, win_right, items_per_head, total_items,
                               qk_scale, sm_scale, max_spin,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, HANDOFF_THREADS,
-                              VISIT_HEADS, VISITS, UNPADDED, TAIL_CONVERT, num_warps)),
+                              VISIT_HEADS, VISITS, UNPADDED, TAIL_CONVERT, CLAIMED, num_warps)),
         (load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                           CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+                           work_slots, work_ready, work_empty, CLAIMS, ERR, max_spin, CU_Q,
+                           CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                            stats_stride, win_left, win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, VISIT_HEADS,
-                           VISITS, UNPADDED)),
-        (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS,
+                           VISITS, UNPADDED, CLAIMED)),
+        (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slots,
+                               work_ready, work_empty, DQACC, TICKETS,
                                FINISHED, ERR, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q,
                                max_k, row_stride, win_left, win_right, items_per_head,
                                total_items, max_spin, GROUP, CAUSAL, SCHEDULE, NUM_SLOTS,
                                BLOCK_N, COMPUTE_DQ, ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA, WRITER_FREES,
                                DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS, VISIT_HEADS,
-                               VISITS, UNPADDED, TAIL_CONVERT)),
+                               VISITS, UNPADDED, TAIL_CONVERT, CLAIMED)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

@@ -81,7 +81,9 @@ class HopperBackwardConfig:
     unmasked 4.56-4.62 against 5.34, with the same bits; ``descending`` and ``atomic`` were 3-6%
     slower unpadded there, so they keep the padded deal. ``tail_convert``: where the deal is
     unpadded, the programs that run out of items convert the finished rows of the dQ
-    accumulator into the gradient (``dq_tail.py``) instead of a launch after the kernel. Three Q/dO stages and one dQ buffer
+    accumulator into the gradient (``dq_tail.py``) instead of a launch after the kernel;
+    ``claimed_deal``: there, each program's items after its first are claimed from a counter as
+    programs free up (``deal.py``). Three Q/dO stages and one dQ buffer
     measured faster than two and two without a mask (d128 N = 4k shift: 464 vs 433 TFLOP/s on an
     H100; with the TMA writer 465 vs 362; both take ~210 KiB of shared memory) and 3% slower
     causal in one run (411 vs 424; 16k causal 462 vs 465), so one config serves both. The TMA
@@ -105,6 +107,7 @@ class HopperBackwardConfig:
     visit_heads: int = 2
     unpadded_deal: bool = True
     tail_convert: bool = True
+    claimed_deal: bool = True
 
 
 def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
@@ -140,11 +143,19 @@ def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
     measured 0.3-1% slower (three documents 2.74-2.76 against 2.75-2.77, 4 x 4096 1.90-1.91
     against 1.92), so there the conversion stays a launch of its own
     (``bench/results/2026-11-24-h100-939f48d-dirty/``).
+
+    Causal packed items are claimed as programs free up (``claimed_deal``; the fixed deal gives
+    program p indices p, p + P, ...). Same bits; all GPU work of a call, two alternating rounds
+    (``bench/results/2026-11-25-h100-claimed/``): d128 three documents 2.30 ms to 2.26, seven
+    documents 1.44 to 1.39-1.40, 4 x 4096 1.572 against 1.578; d64 six documents 1.92 to 1.84,
+    three documents 2.74-2.76 either way, 4 x 4096 1.90 against 1.92. Unmasked, where the packed
+    model (``packed_schedule.simulate_claimed``) predicts no gain, it measured 1-3% slower (d128
+    three documents 4.13 against 4.20-4.25, d64 5.36-5.41 against 5.45-5.48), so it is off there.
     """
     causal_128 = head_dim == 128 and causal
     deep = head_dim == 64
     return HopperBackwardConfig(stages=4 if deep else 3, dq_stages=4 if deep else 1,
-                                tail_convert=head_dim == 128,
+                                tail_convert=head_dim == 128, claimed_deal=causal,
                                 dk_in_flight=head_dim == 128 and not causal,
                                 named_handoff=not causal_128,
                                 writer_regs=40 if head_dim == 128 else 48,
@@ -252,5 +263,6 @@ def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
                 VISIT_HEADS=visit_heads(cfg, sched.slots(causal), group, window, varlen),
                 UNPADDED=unpadded_deal(cfg, schedule, varlen),
                 TAIL_CONVERT=tail_convert(cfg, schedule, varlen),
+                CLAIMED=cfg.claimed_deal and unpadded_deal(cfg, schedule, varlen),
                 LOAD_REGS=cfg.load_regs,
                 WRITER_REGS=cfg.writer_regs, num_warps=cfg.num_warps)

@@ -19,15 +19,33 @@ partition of the kernel finds a work index's place by binary search (``walk.work
 within P consecutive work indices, so each ordered wait is for an item that a program reaches by
 finishing items of lower indices only: the argument of ``ops/schedules.py`` holds whatever the
 order of the sequences, and no order changes a bit (each dQ sum keeps its ranks).
+
+The unpadded deal is also claimed: program p starts with index p, and its load partition claims
+each later index from a counter (P + the counter's old value) once it has issued all loads of
+its current item, and hands it to the compute and dQ writer partitions through a ring of two
+slots in shared memory (``next_work``), so items of unequal length go to the programs that free
+up first (FlashAttention-3's tile scheduler deals its causal tiles so). A program never claims
+an item of its current item's (sequence, KV head): it waits until the counter has passed that
+head's last index. Without that rule a short item's program could claim the next item of its own
+head, which its current item waits on (``shift``'s ranks are circular within a head) while the
+claimed one waits for the program: a wait that only the spin bound ends. With it, the argument
+holds: indices are claimed in increasing order, so the lowest (sequence, KV head) with
+unfinished items has all its items claimed (a head holds at most P items, and a program that
+holds one of them claims past the head only), each by a program that runs it after finished or
+running items of lower heads. The model is ``packed_schedule.simulate_claimed``.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .. import schedules as sch
 from ..tiles import sequence_tiles
+from .primitives import await_count
 
 
 #: The most sequences the deal orders longest first (one block of the preprocess's program).
@@ -65,3 +83,54 @@ def write_item_prefix(CU_Q, CU_K, PREFIX, num_seqs, total_q, total_k, max_q, max
         tl.store(PREFIX + 1 + index, carry + tl.cumsum(items, 0), mask=inside)
         tl.store(PREFIX + num_seqs + 1 + index, order, mask=inside)
         carry += tl.sum(items, 0)
+
+
+@gluon.jit
+def _publish(work, claim, slots, ready, empty):
+    """The load partition hands its ``claim``-th claimed index to the other partitions."""
+    s = claim % 2
+    mbarrier.wait(empty.index(s), ((claim // 2) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    slots.index(s).store(gl.full([32], work, gl.int32, layout=layout))
+    mbarrier.arrive(ready.index(s), count=1)
+
+
+@gluon.jit
+def _take(claim, slots, ready, empty, NUM_WARPS: gl.constexpr):
+    """A compute or writer partition takes the ``claim``-th claimed index (``mbarrier.arrive``
+    holds back its elected thread until every warp of the partition has read the slot)."""
+    s = claim % 2
+    mbarrier.wait(ready.index(s), (claim // 2) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    work = gl.max(slots.index(s).load(layout), axis=0)
+    mbarrier.arrive(empty.index(s), count=1)
+    return work
+
+
+@gluon.jit
+def claim_work(work, head_end, claim, CLAIMS, ERR, max_spin, slots, ready, empty,
+               CLAIMED: gl.constexpr):
+    """The load partition's work index after ``work`` (an index at or past the last ends every
+    partition's walk): P further on, or, CLAIMED, its program's ``claim``-th claimed index, taken
+    from the counter CLAIMS once that has passed ``head_end`` (one past the last index of the
+    current item's sequence and KV head; a bounded wait, the error flag ERR), and published to
+    the other partitions."""
+    if CLAIMED:
+        programs = gl.num_programs(0)
+        await_count(CLAIMS, head_end - programs, ERR, max_spin)
+        work = gl.atomic_add(CLAIMS, 1, sem="relaxed") + programs
+        _publish(work, claim, slots, ready, empty)
+    else:
+        work = work + gl.num_programs(0)
+    return work
+
+
+@gluon.jit
+def next_work(work, claim, slots, ready, empty, CLAIMED: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """A compute or writer partition's work index after ``work``: the load partition's
+    (``claim_work``)."""
+    if CLAIMED:
+        work = _take(claim, slots, ready, empty, NUM_WARPS)
+    else:
+        work = work + gl.num_programs(0)
+    return work

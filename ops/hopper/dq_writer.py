@@ -8,7 +8,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from . import dq_tail, walk
+from . import deal, dq_tail, walk
 from .primitives import (LAST_NAMED_BARRIER, await_count, named_barrier_sync, partition_barrier,
                          red_add, red_add_rows, tma_add, tma_store, tma_writes_performed)
 
@@ -24,8 +24,8 @@ def _take_partial(dq_ready, it, NAMED_HANDOFF: gl.constexpr, HANDOFF_THREADS: gl
 
 
 @gluon.jit
-def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TICKETS, FINISHED,
-                        ERR, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
+def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slots, work_ready,
+                        work_empty, DQACC, TICKETS, FINISHED, ERR, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                         row_stride, win_left, win_right, items_per_head, total_items, max_spin,
                         GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                         NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
@@ -33,7 +33,8 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                         VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
                         PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
                         HANDOFF_THREADS: gl.constexpr, VISIT_HEADS: gl.constexpr,
-                        VISITS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr):
+                        VISITS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
+                        CLAIMED: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
     TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
     with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release a
@@ -43,6 +44,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
     comes on a named barrier of HANDOFF_THREADS threads, else on the ``dq_ready`` mbarrier.
     An item visits its KV tiles once per VISIT_HEADS query heads (``walk.visit_heads``), VISITS
     times in all. TAIL_CONVERT: count each finished item in FINISHED (``dq_tail.py``).
+    CLAIMED: the items after the program's first come from the load partition (``deal.py``).
 
     Ordered, the first rank of every partial stores it instead of adding it, so DQACC need not
     be cleared (FlashAttention-3's preprocess clears it): the launchers clear only rows that no
@@ -63,7 +65,9 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
     it = 0
     works = walk.work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED)
-    for work in range(gl.program_id(0), works, gl.num_programs(0)):
+    work = gl.program_id(0)
+    claim = 0
+    while work < works:
         b, hkv, item = walk.work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED)
         q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
             b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
@@ -146,3 +150,5 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, DQACC, TI
                             it += 1
         if TAIL_CONVERT:  # every add of the item is performed and released
             dq_tail.item_finished(FINISHED, b, hkv, HKV)
+        work = deal.next_work(work, claim, work_slots, work_ready, work_empty, CLAIMED, 1)
+        claim += 1

@@ -331,8 +331,9 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         with_prefix=unpadded_deal(cfg, schedule.name, True),
         keyless_rows=dq_acc if schedule.ordered else None)
     in_kernel = tail_convert(cfg, schedule.name, True)
-    tickets, flags = zeroed_tickets(
-        hq * tq + (dq_tail.counters(num_seqs, k.shape[1]) if in_kernel else 0), q.device)
+    # After the tickets: the claimed deal's counter, then the tail conversion's (``backward.py``).
+    counters = 1 + (dq_tail.counters(num_seqs, k.shape[1]) if in_kernel else 0)
+    tickets, flags = zeroed_tickets(hq * tq + counters, q.device)
     error_flag = flags[:1]
     dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
     grid = _launch((q4, k4, v4, do4, dk4, dv4), stats, dq_acc, tickets, error_flag, packed,

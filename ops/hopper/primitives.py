@@ -50,14 +50,15 @@ def named_barrier_sync(index, threads: gl.constexpr):
 
 @gluon.jit
 def await_count(counter, value, ERR, max_spin):
-    """Wait (acquire) until int32 ``counter`` holds ``value``, at most ``max_spin`` polls; past
-    them set the error flag ERR, which the launcher turns into an exception (no wait hangs)."""
+    """Wait (acquire) until int32 ``counter``, which only grows, reaches ``value``, at most
+    ``max_spin`` polls; past them set the error flag ERR, which the launcher turns into an
+    exception (no wait hangs)."""
     seen = gl.atomic_add(counter, 0, sem="acquire")
     spins = 0
-    while (seen != value) & (spins < max_spin):
+    while (seen < value) & (spins < max_spin):
         seen = gl.atomic_add(counter, 0, sem="acquire")
         spins += 1
-    gl.atomic_max(ERR, 1, mask=seen != value)
+    gl.atomic_max(ERR, 1, mask=seen < value)
 
 
 @builtin

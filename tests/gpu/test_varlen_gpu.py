@@ -217,6 +217,27 @@ def test_a_gradient_whose_head_dim_is_not_contiguous_has_the_same_bits(cuda_path
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mask", ["causal", "full"])
+def test_many_short_sequences_claim_their_items_safely(mask, cuda_path):
+    """Over a hundred sequences of 0 to 400 tokens: items of one to four steps, several rounds
+    of them per program, so the claimed deal's programs claim often and soon after their
+    current item starts, where a claim of the current item's own (sequence, KV head) would wait
+    forever (``deal.py``). The spin flags stay clear, every repeat has the same bits, and the
+    accuracy rule holds."""
+    _packed_only(cuda_path)
+    gen = torch.Generator().manual_seed(7)
+    lens = torch.randint(0, 401, (120,), generator=gen).tolist()
+    q, k, v, do = _inputs(lens, lens, seed=4)
+    first = _ours(q, k, v, do, lens, lens, MASKS[mask], "shift")
+    for _ in range(20):
+        again = _ours(q, k, v, do, lens, lens, MASKS[mask], "shift")
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    check_spin_flags(wait=True)
+    ref = _sdpa(q, k, v, do, lens, lens, MASKS[mask], torch.float32)
+    same = _sdpa(q, k, v, do, lens, lens, MASKS[mask], torch.bfloat16)
+    assert_flash_rule((first[0], *first[2:]), same, ref, what=f"short sequences {mask}")
+
+
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
 def test_no_host_synchronisation(schedule, cuda_path):
     """Forward and backward on CUDA never wait for the GPU (the offsets stay on the device)."""
