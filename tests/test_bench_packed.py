@@ -93,3 +93,20 @@ def test_varlen_methods_take_packed_leaves_over_the_same_memory() -> None:
         assert mine.data_ptr() == theirs.data_ptr()
     q, k, v, grad_out = pm.inputs_for(packed_way, inputs)
     assert q.is_leaf and q.requires_grad and not grad_out.requires_grad
+
+
+def test_rounds_time_every_way_that_many_times_and_report_the_median(tmp_path) -> None:
+    """``--rounds 3``: each timed row keeps three timings of each pass and reports their median."""
+    done = subprocess.run([sys.executable, "bench/packed.py", "--smoke", "--device", "cpu",
+                           "--head-dims", "64", "--problems", "docs", "--rounds", "3",
+                           "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    timed = [r for r in json.loads((tmp_path / "packed.json").read_text())["rows"]
+             if r["status"] == "ok"]
+    assert timed
+    for row in timed:
+        for key in ("forward", "backward"):
+            times = row[f"{key}_rounds"]
+            assert len(times) == 3 and all(t > 0 for t in times)
+            assert row[f"{key}_ms"] == sorted(times)[1]
