@@ -146,7 +146,7 @@ def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
 
     Causal packed items are claimed as programs free up (``claimed_deal``; the fixed deal gives
     program p indices p, p + P, ...). Same bits; all GPU work of a call, two alternating rounds
-    (``bench/results/2026-11-25-h100-claimed/``): d128 three documents 2.30 ms to 2.26, seven
+    (``bench/results/2026-11-25-h100-35b03e2/``): d128 three documents 2.30 ms to 2.26, seven
     documents 1.44 to 1.39-1.40, 4 x 4096 1.572 against 1.578; d64 six documents 1.92 to 1.84,
     three documents 2.74-2.76 either way, 4 x 4096 1.90 against 1.92. Unmasked, where the packed
     model (``packed_schedule.simulate_claimed``) predicts no gain, it measured 1-3% slower (d128
