@@ -36,6 +36,7 @@ from .launch import (coresident_programs, cooperative_launch_supported, dot_prec
                      mask_kind, warn_once, watch_spin_flag)
 from .plan import Plan
 from .tickets import add_in_turn, release_last
+from .dq_convert import convert_dq
 from .dq_pass import launch_dq_pass, load_row_stats
 from .preprocess import prepare
 from .tiles import (KERNEL_LOG2E, LOG2E, load_rows, mm, sequence_tiles,
@@ -328,7 +329,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         launch_dq_pass(q, k, v, grad_out, lse, delta, mask, dq, is_causal=is_causal, scale=scale,
                        cfg=cfg, window=window)
     else:
-        dq.copy_(dq_acc.view(batch, hq, n_q * cfg.block_n, -1)[:, :, :seq_q, :e])
+        convert_dq(dq_acc.view(batch * hq, n_q * cfg.block_n, -1), dq)
     if error_flag is not None:
         watch_spin_flag(error_flag, f"{shape}, schedule {fitted.name!r}")
     return Plan("backward", path, kernel_reason, schedule, fitted.name, fallback, grid, cfg)

@@ -26,6 +26,7 @@ from .backward import choose_path, launch_main, resolve_schedule
 from .catalog import KERNELS
 from .configs import arch_key, backward_config, forward_config, head_dim_bucket
 from .dispatch import HOPPER, PORTABLE
+from .dq_convert import convert_dq
 from .dq_pass import launch_dq_pass
 from .preprocess import compute_delta, zeroed_tickets
 from .forward import launch_forward
@@ -191,7 +192,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         launch_dq_pass(q4, k4, v4, do4, lse, delta, None, dq4, is_causal=is_causal, scale=scale,
                        cfg=cfg, window=window, packed=packed)
     else:
-        dq.copy_(dq_acc[:, :, :e].transpose(0, 1))
+        convert_dq(dq_acc, dq.transpose(0, 1).unsqueeze(0))
     if error_flag is not None:
         watch_spin_flag(error_flag, f"{shape}, schedule {fitted.name!r}")
     return Plan("backward", PORTABLE, reason, schedule, fitted.name, fallback, grid, cfg)

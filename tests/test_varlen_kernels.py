@@ -217,7 +217,7 @@ def _compile_for_sm90() -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from dash_inductor.ops import backward, dq_pass, forward, preprocess
+    from dash_inductor.ops import backward, dq_convert, dq_pass, forward, preprocess
     from dash_inductor.ops.configs import backward_config, forward_config
 
     types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
@@ -249,7 +249,7 @@ def _compile_for_sm90() -> list[dict]:
 
     for module, name in ((forward, "_attention_forward_kernel"), (backward, "_backward_main_kernel"),
                          (preprocess, "_preprocess_kernel"), (dq_pass, "_backward_dq_kernel"),
-                         (packed, "_check_offsets_kernel")):
+                         (packed, "_check_offsets_kernel"), (dq_convert, "_convert_kernel")):
         setattr(module, name, Compile(getattr(module, name)))
     backward.coresident_programs = lambda *args: 264
     backward.watch_spin_flag = packed.watch_spin_flag = lambda *args: None
@@ -270,7 +270,8 @@ def _compile_for_sm90() -> list[dict]:
 
 def test_packed_kernels_compile_for_sm90():
     """Code the interpreter accepts may not compile (e.g. a global that is not a constexpr): the
-    VARLEN forward, main kernel (ordered waits included), dQ pass and offsets check compile."""
+    VARLEN forward, main kernel (ordered waits included), dQ pass, dQ conversion and offsets
+    check compile."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=900)
@@ -278,7 +279,7 @@ def test_packed_kernels_compile_for_sm90():
     rows = [json.loads(line) for line in run.stdout.splitlines()]
     kernels = {(row["kernel"], row["schedule"]) for row in rows}
     assert ("_attention_forward_kernel", None) in kernels and ("_check_offsets_kernel", None) in kernels
-    assert ("_backward_dq_kernel", None) in kernels
+    assert ("_backward_dq_kernel", None) in kernels and ("_convert_kernel", None) in kernels
     main = {row["schedule"]: row for row in rows if row["kernel"] == "_backward_main_kernel"}
     assert set(main) == {catalog.get(name).id for name in ("shift", "ascending", "recompute")}
     assert all(row["varlen"] for row in rows if row["varlen"] is not None)

@@ -62,10 +62,11 @@ def _inputs(lens_q, lens_k, seed=0):
                  for t, h in ((tq, HQ), (tk, HKV), (tk, HKV), (tq, HQ)))
 
 
-def _ours(q, k, v, do, lens_q, lens_k, window, schedule, max_q=None, max_k=None):
+def _ours(q, k, v, do, lens_q, lens_k, window, schedule, max_q=None, max_k=None,
+          kernel="auto"):
     """(out, lse, dq, dk, dv) of varlen_attention."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    with config.patch(schedule=schedule):
+    with config.patch(schedule=schedule, kernel=kernel):
         out, lse = varlen_attention(q, k, v, _offsets(lens_q), _offsets(lens_k),
                                     max_q or max(lens_q), max_k or max(lens_k),
                                     return_aux=AuxRequest(lse=True), window_size=window,
@@ -215,6 +216,24 @@ def test_a_gradient_whose_head_dim_is_not_contiguous_has_the_same_bits(cuda_path
         other = _ours(permuted, k, v, do, lens, lens, (-1, 0), schedule)
         for a, b in zip(base, other):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("schedule", ["shift", "descending", "atomic"])
+def test_the_portable_packed_backward_where_hopper_would_run(schedule, cuda_path):
+    """``kernel="portable"`` on a GPU where the Hopper kernels would run: the portable packed
+    backward (dQ accumulated by its main kernel, then converted by ``ops/dq_convert.py``) meets
+    the accuracy rule, and its deterministic schedules repeat their bits."""
+    _packed_only(cuda_path)
+    lens_q, lens_k = PACKINGS["cross"]
+    q, k, v, do = _inputs(lens_q, lens_k, seed=5)
+    window = MASKS["causal"]
+    ours = _ours(q, k, v, do, lens_q, lens_k, window, schedule, kernel="portable")
+    ref = _sdpa(q, k, v, do, lens_q, lens_k, window, torch.float32)
+    same = _sdpa(q, k, v, do, lens_q, lens_k, window, torch.bfloat16)
+    assert_flash_rule((ours[0], *ours[2:]), same, ref, what=f"portable {schedule}")
+    if schedule != "atomic":
+        again = _ours(q, k, v, do, lens_q, lens_k, window, schedule, kernel="portable")
+        assert all(torch.equal(a, b) for a, b in zip(ours, again))
 
 
 @pytest.mark.parametrize("mask", ["causal", "full"])
