@@ -20,9 +20,10 @@ within P consecutive work indices, so each ordered wait is for an item that a pr
 finishing items of lower indices only: the argument of ``ops/schedules.py`` holds whatever the
 order of the sequences, and no order changes a bit (each dQ sum keeps its ranks).
 
-The unpadded deal is also claimed: program p starts with index p, and its load partition claims
-each later index from a counter (P + the counter's old value) once it has issued all loads of
-its current item, and hands it to the compute and dQ writer partitions through a ring of two
+Where the config asks (causal masks: ``config.backward_config``), the unpadded deal is also
+claimed: program p starts with index p, and its load partition claims each later index from a
+counter (P + the counter's old value) once it has issued all loads of its current item
+(``claim_work``), and hands it to the compute and dQ writer partitions through a ring of two
 slots in shared memory (``next_work``), so items of unequal length go to the programs that free
 up first (FlashAttention-3's tile scheduler deals its causal tiles so). A program never claims
 an item of its current item's (sequence, KV head): it waits until the counter has passed that
