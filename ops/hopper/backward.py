@@ -326,7 +326,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     # Packed, after the tickets: the deal's claim counter (CLAIMED), then each (sequence, KV
     # head)'s finished items (TAIL_CONVERT, ``dq_tail.py``).
     CLAIMS = TICKETS + HQ * row_stride
-    FINISHED = CLAIMS + 1
+    FINISHED = CLAIMS + deal.COUNTERS
 
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], tile_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)

@@ -51,6 +51,9 @@ from .primitives import await_count
 
 #: The most sequences the deal orders longest first (one block of the preprocess's program).
 MAX_SORTED = 1024
+#: int32 counters the claimed deal keeps after the tickets (its claim counter; the tail
+#: conversion's, ``dq_tail.counters``, follow).
+COUNTERS = gl.constexpr(1)
 
 
 @triton.jit

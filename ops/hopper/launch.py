@@ -28,7 +28,7 @@ from ..launch import watch_spin_flag
 from ..plan import Plan
 from ..preprocess import compute_delta, prepare, zeroed_tickets
 from ..tiles import LOG2E
-from . import dq_tail
+from . import deal, dq_tail
 from .backward import backward_kernel
 from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
                      backward_constexprs, forward_constexprs, ordered_programs, tail_convert,
@@ -332,7 +332,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         keyless_rows=dq_acc if schedule.ordered else None)
     in_kernel = tail_convert(cfg, schedule.name, True)
     # After the tickets: the claimed deal's counter, then the tail conversion's (``backward.py``).
-    counters = 1 + (dq_tail.counters(num_seqs, k.shape[1]) if in_kernel else 0)
+    counters = deal.COUNTERS.value + (dq_tail.counters(num_seqs, k.shape[1]) if in_kernel else 0)
     tickets, flags = zeroed_tickets(hq * tq + counters, q.device)
     error_flag = flags[:1]
     dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
