@@ -234,7 +234,7 @@ def choose_path(kernel: str, schedule: str, requested: Schedule, q: torch.Tensor
     if schedule == catalog.AUTO and kernel != "portable":
         from .hopper.config import auto_on_hopper
 
-        on_hopper = auto_on_hopper(is_causal, packed)
+        on_hopper = auto_on_hopper(is_causal, packed, q.shape[-1], tuple(window) != (-1, -1))
         path, reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal, on_hopper,
                                      window)
         if path == HOPPER:

@@ -47,7 +47,8 @@ def variants() -> dict[tuple, dict]:
 def _check_backward(row: dict, schedule: str, head_dim: int, causal: bool,
                     varlen: bool = False) -> None:
     sched = catalog.get(schedule)
-    named = backward_config(head_dim, causal).named_handoff and not sched.separate_dq
+    named = (backward_config(head_dim, causal, packed=varlen).named_handoff
+             and not sched.separate_dq)
     assert (row["named_arrives"] > 0) == named
     assert row["cubin_bytes"] > 0
     assert row["wgmma"] > 0

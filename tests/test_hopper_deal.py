@@ -120,7 +120,7 @@ def test_the_tail_conversion_runs_where_the_deal_is_unpadded_and_the_config_asks
 
     for head_dim, causal, name, varlen in itertools.product(
             (64, 128), (False, True), catalog.NAMES, (False, True)):
-        cfg = backward_config(head_dim, causal)
+        cfg = backward_config(head_dim, causal, packed=varlen)
         assert tail_convert(cfg, name, varlen) == (
             head_dim == 128 and unpadded_deal(cfg, name, varlen))
     assert dq_tail.counters(num_seqs=5, hkv=4) == 5 * 4 + 1
@@ -164,8 +164,8 @@ def test_the_claimed_deal_runs_where_the_deal_is_unpadded_and_the_config_asks(ca
                                                  backward_constexprs)
 
     for head_dim, name, varlen in itertools.product((64, 128), catalog.NAMES, (False, True)):
-        constexprs = backward_constexprs(name, causal, 1, False, backward_config(head_dim, causal),
-                                         varlen=varlen)
+        cfg = backward_config(head_dim, causal, packed=varlen)
+        constexprs = backward_constexprs(name, causal, 1, False, cfg, varlen=varlen)
         assert constexprs["CLAIMED"] == (causal and constexprs["UNPADDED"])
     off = HopperBackwardConfig(claimed_deal=False)
     assert not backward_constexprs("shift", causal, 1, False, off, varlen=True)["CLAIMED"]

@@ -38,7 +38,7 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
                      even_s: bool = True, cfg: HopperBackwardConfig | None = None,
                      window: bool = False, varlen: bool = False):
     """The compiled backward kernel (``triton.compiler.CompiledKernel``) for one variant, for sm90."""
-    cfg = cfg or backward_config(head_dim, causal)
+    cfg = cfg or backward_config(head_dim, causal, packed=varlen)
     constexprs = backward_constexprs(schedule, causal, group, even_s and not varlen, cfg, window,
                                      varlen)
     q_block = _descriptor(dtype, [1, 1, cfg.block_m, head_dim])

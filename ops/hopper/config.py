@@ -30,10 +30,12 @@ FASTER_ON_HOPPER = ORDERED
 FORWARD_MIN_SEQ = {64: 4096, 128: 2048}
 
 
-def auto_on_hopper(causal: bool, packed: bool = False) -> str:
+def auto_on_hopper(causal: bool, packed: bool = False, head_dim: int = 128,
+                   windowed: bool = False) -> str:
     """What ``schedule="auto"`` resolves to where the Hopper path takes the inputs: ``shift``
-    causal and for packed sequences, ``descending`` for unmasked dense ones, at every head dim
-    and length.
+    causal, for packed sequences and at head dim 64 without a window; ``descending`` for other
+    unmasked dense problems, at every length (a window keeps ``descending``, which is
+    window-aware, where ``shift`` would fall back to ``ascending``).
 
     Packed (dealt unpadded, ``deal.py``; H100, ``bench/packed_paths.py``,
     ``bench/results/2026-11-24-h100-e240a6b/``): ``shift`` led every deterministic schedule on
@@ -45,16 +47,18 @@ def auto_on_hopper(causal: bool, packed: bool = False) -> str:
     H200 tables (65be22d: 4k 431 TFLOP/s against the portable ``recompute``'s 344, GQA 4:1 409
     against 344, 16k 512 against 397; head dim 64 4k 340 against 313).
 
-    Unmasked: ``descending``. Since the grid keeps each head's items in one round
-    (``ordered_programs``) it leads or ties every other schedule (H100 grids of 5b4e495 and
-    77ddbaa, ``bench/hopper_tune.py``, and d28a122's head-dim-64 grid): head dim 128 4k 480 and
-    507 against ``shift``'s 466 and 483, 16k 507 and 527 against 506 and 525; GQA 4:1 499
-    against 486, then 485 against 504 (runs differ by a few per cent); head dim 64 8k 388
-    against 383, 16k 395 against 392. At head dim 64 and 4k keys the portable ``recompute``
-    led before the aligned grid (1-5%) and once since (384 against 371), and trailed twice (358
-    against 368, 359 against 374): one rule for every head dim.
+    Unmasked at head dim 128: ``descending``. Since the grid keeps each head's items in one
+    round (``ordered_programs``) it leads or ties every other schedule (H100 grids of 5b4e495
+    and 77ddbaa, ``bench/hopper_tune.py``): 4k 480 and 507 against ``shift``'s 466 and 483, 16k
+    507 and 527 against 506 and 525; GQA 4:1 499 against 486, then 485 against 504 (runs differ
+    by a few per cent).
+
+    Unmasked at head dim 64: ``shift``. With 128 query rows a step (``backward_config``) it led
+    ``descending`` at 4k (414-421 TFLOP/s against 404-409) and 16k (434-446 against 402-408)
+    and trailed it with GQA 4:1 (425-432 against 432-438; H100,
+    ``bench/results/2026-11-25-h100-3ebd997/``); with 64 rows ``descending`` had led by 1-5%.
     """
-    return "shift" if causal or packed else "descending"
+    return "shift" if causal or packed or (head_dim == 64 and not windowed) else "descending"
 
 
 @dataclass(frozen=True)
@@ -110,8 +114,9 @@ class HopperBackwardConfig:
     claimed_deal: bool = True
 
 
-def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
-    """The static config for a head dim and mask (never timing-dependent: docs/design.md).
+def backward_config(head_dim: int, causal: bool, packed: bool = False) -> HopperBackwardConfig:
+    """The static config for a head dim, mask and layout (dense or ``packed`` sequences), never
+    timing-dependent (docs/design.md).
 
     dK stays in flight across steps only at head dim 128 without a mask, where it measured
     faster; causal and head dim 64 ran 2-6% faster with dK retired in its step (H100,
@@ -125,8 +130,9 @@ def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
     473-476, causal ``shift`` 425-428 against 406-410, GQA 4:1 unmasked 505 against 496, GQA
     causal and head dim 64 (no spills either way) tied.
 
-    At head dim 64 a step is short (64 x 128 x 64 MMAs) and the writer's fp32 round trip, 16 KiB
-    a partial, takes a larger share of it: four dQ buffers and four Q/dO stages (178 KiB of
+    At head dim 64 with 64 query rows a step (packed sequences; dense ones too until the tile of
+    the last paragraph) a step is short (64 x 128 x 64 MMAs) and the writer's fp32 round trip,
+    16 KiB a partial, takes a larger share of it: four dQ buffers and four Q/dO stages (178 KiB of
     shared memory against 114) let the compute warps run ahead of a writer that waits for its
     turn. Same bits; H100, all GPU work of a packed call (profiler, ``shift``, 16k tokens, 32
     heads): three documents causal 3.05 ms to 2.73-2.75, unmasked 5.80-5.84 to 5.24-5.28, 4 x
@@ -151,9 +157,27 @@ def backward_config(head_dim: int, causal: bool) -> HopperBackwardConfig:
     three documents 2.74-2.76 either way, 4 x 4096 1.90 against 1.92. Unmasked, where the packed
     model (``packed_schedule.simulate_claimed``) predicts no gain, it measured 1-3% slower (d128
     three documents 4.13 against 4.20-4.25, d64 5.36-5.41 against 5.45-5.48), so it is off there.
+
+    Dense problems at head dim 64 take FlashAttention-3's tile there, 128 query rows a step
+    (``block_m``): a step's MMAs are then as long as at head dim 128 with 64 rows, and the fixed
+    costs of a step (its barriers, the hand-off, the writer's turn) are paid half as often. With
+    the writer on 40 registers the compute warps keep their accumulators (44 bytes of spilled
+    scalars unmasked, 108 causal; 220 with the writer on 48), and two Q/dO stages with one dQ
+    buffer fit (166 KiB). Same bits; H100, ``bench/hopper_tune.py``, three alternating timings
+    (``bench/results/2026-11-25-h100-3ebd997/``): 4k ``shift`` unmasked 414-421 TFLOP/s against
+    378-380, ``descending`` 404-409 against 395-398, causal ``shift`` 361-365 against 351-362;
+    GQA 4:1 ``shift`` 425-432 against 392-393 and causal 391-398 against 363-374; 16k ``shift``
+    434-446 against 383-401. The writer on 40 registers alone gained nothing (378-383 at 4k
+    ``shift``), dK in flight lost 10-15%, and two dQ buffers or three stages timed erratically
+    (368-435 at 4k). Packed sequences keep 64 rows and the buffers above: there the tile
+    measured 1-6% slower causal (three documents 2.88-2.93 ms against 2.75-2.76, six 1.88-1.89
+    against 1.86) and tied unmasked, with 152-224 bytes of spills.
     """
     causal_128 = head_dim == 128 and causal
     deep = head_dim == 64
+    if deep and not packed:
+        return HopperBackwardConfig(block_m=128, stages=2, dq_stages=1, dk_in_flight=False,
+                                    writer_regs=40, heads_outer=False)
     return HopperBackwardConfig(stages=4 if deep else 3, dq_stages=4 if deep else 1,
                                 tail_convert=head_dim == 128, claimed_deal=causal,
                                 dk_in_flight=head_dim == 128 and not causal,

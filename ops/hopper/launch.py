@@ -302,7 +302,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     cu_seq_q, cu_seq_k, max_q, max_k = packed
     (tq, hq, head_d), tk = q.shape, k.shape[0]
     num_seqs = cu_seq_q.numel() - 1
-    cfg = cfg or backward_config(head_d, is_causal)
+    cfg = cfg or backward_config(head_d, is_causal, packed=True)
     if dq.stride(2) != 1:  # the kernel's own conversion writes rows of contiguous elements
         cfg = dataclasses.replace(cfg, tail_convert=False)
     aligned = is_causal or window != (-1, -1)
