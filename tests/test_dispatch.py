@@ -140,14 +140,14 @@ def test_packed_auto_runs_hopper_shift(hopper_takes_it, monkeypatch, causal):
 @pytest.mark.parametrize("dim, seq, causal, window, expected", [
     (128, 16384, False, (-1, -1), "descending"), (128, 4096, False, (-1, -1), "descending"),
     (128, 4096, True, (-1, -1), "shift"), (128, 4096, False, (300, 200), "descending"),
-    (64, 8192, False, (-1, -1), "shift"), (64, 4096, True, (-1, -1), "shift"),
+    (64, 8192, False, (-1, -1), "ascending"), (64, 4096, True, (-1, -1), "shift"),
     (64, 16384, True, (-1, -1), "shift"), (64, 8192, False, (300, 200), "descending"),
-    (64, 16384, False, (-1, -1), "shift"), (64, 20000, False, (-1, -1), "shift"),
-    (64, 4096, False, (-1, -1), "shift"), (64, 8191, False, (300, 200), "descending")])
+    (64, 16384, False, (-1, -1), "ascending"), (64, 20000, False, (-1, -1), "ascending"),
+    (64, 4096, False, (-1, -1), "ascending"), (64, 8191, False, (300, 200), "descending")])
 def test_auto_on_hopper_follows_the_measured_rule(hopper_takes_it, dim, seq, causal, window,
                                                   expected):
-    """The measured rule (H100 tables): ``shift`` causal and at head dim 64, ``descending``
-    unmasked at head dim 128, at every length; a window keeps ``descending`` where the problem
+    """The measured rule (H100 tables): ``shift`` causal; unmasked ``ascending`` at head dim 64
+    and ``descending`` at 128, at every length; a window keeps ``descending`` where the problem
     is unmasked (it is window-aware); off the Hopper path ``auto`` stays the portable rule's."""
     from dash_inductor.ops.backward import choose_path, window_fallback
 

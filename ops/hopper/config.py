@@ -33,9 +33,9 @@ FORWARD_MIN_SEQ = {64: 4096, 128: 2048}
 def auto_on_hopper(causal: bool, packed: bool = False, head_dim: int = 128,
                    windowed: bool = False) -> str:
     """What ``schedule="auto"`` resolves to where the Hopper path takes the inputs: ``shift``
-    causal, for packed sequences and at head dim 64 without a window; ``descending`` for other
-    unmasked dense problems, at every length (a window keeps ``descending``, which is
-    window-aware, where ``shift`` would fall back to ``ascending``).
+    causal and for packed sequences; unmasked dense problems ``ascending`` at head dim 64 and
+    ``descending`` at 128, at every length (a window keeps ``descending``, window-aware and
+    the rule before head dim 64's tile of 128 rows; not timed with it).
 
     Packed (dealt unpadded, ``deal.py``; H100, ``bench/packed_paths.py``,
     ``bench/results/2026-11-24-h100-e240a6b/``): ``shift`` led every deterministic schedule on
@@ -53,12 +53,16 @@ def auto_on_hopper(causal: bool, packed: bool = False, head_dim: int = 128,
     507 and 527 against 506 and 525; GQA 4:1 499 against 486, then 485 against 504 (runs differ
     by a few per cent).
 
-    Unmasked at head dim 64: ``shift``. With 128 query rows a step (``backward_config``) it led
-    ``descending`` at 4k (414-421 TFLOP/s against 404-409) and 16k (434-446 against 402-408)
-    and trailed it with GQA 4:1 (425-432 against 432-438; H100,
-    ``bench/results/2026-11-25-h100-3ebd997/``); with 64 rows ``descending`` had led by 1-5%.
+    Unmasked at head dim 64: ``ascending``. With 128 query rows a step (``backward_config``)
+    it led in every median (H100, ``bench/hopper_tune.py``, three alternating timings,
+    ``bench/results/2026-11-25-h100-fd0d86c/``): 4k 421-425 TFLOP/s against ``descending``'s
+    400-413 and ``shift``'s 341-404, GQA 4:1 438-441 against 425-429 and 363-421, 16k 408-446
+    against 397-428 and 393-423; the grid of the same run 425 against 409 and 404. ``shift``
+    timed erratically there (an earlier run: 414-421 at 4k, above ``descending``).
     """
-    return "shift" if causal or packed or (head_dim == 64 and not windowed) else "descending"
+    if causal or packed:
+        return "shift"
+    return "ascending" if head_dim == 64 and not windowed else "descending"
 
 
 @dataclass(frozen=True)
