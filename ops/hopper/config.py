@@ -167,18 +167,19 @@ def backward_config(head_dim: int, causal: bool, packed: bool = False) -> Hopper
     costs of a step (its barriers, the hand-off, the writer's turn) are paid half as often. With
     the writer on 40 registers ptxas keeps the accumulators in registers (44 bytes of spilled
     scalars unmasked, 108 causal; 220 with the writer on 48; on 24, none and 96), and two Q/dO
-    stages with one dQ buffer fit (166 KiB). Same bits; H100, ``bench/hopper_tune.py``, three alternating timings
-    (``bench/results/2026-11-25-h100-3ebd997/``): 4k ``shift`` unmasked 414-421 TFLOP/s against
-    378-380, ``descending`` 404-409 against 395-398, causal ``shift`` 361-365 against 351-362;
-    GQA 4:1 ``shift`` 425-432 against 392-393 and causal 391-398 against 363-374; 16k ``shift``
-    434-446 against 383-401. The writer on 40 registers alone gained nothing (378-383 at 4k
-    ``shift``), dK in flight lost 10-15%, and two dQ buffers or three stages timed erratically
-    (368-435 at 4k). The writer then gave up 16 registers more (24; it adds by TMA and waits):
-    4k causal ``shift`` 362-365 TFLOP/s against 379, unmasked ``ascending`` 422 against
-    426-435, GQA 4:1 tied (``bench/results/2026-11-25-h100-14ea8b5/``; at head dim 128 it
-    tied or lost, so 40 stays there). Packed sequences keep 64 rows and the buffers above:
-    there the tile measured 1-6% slower causal (three documents 2.88-2.93 ms against 2.75-2.76, six 1.88-1.89
-    against 1.86) and tied unmasked, with 152-224 bytes of spills.
+    stages with one dQ buffer fit (166 KiB). Same bits; H100, ``bench/hopper_tune.py``, three
+    alternating timings (``bench/results/2026-11-25-h100-3ebd997/``): 4k ``shift`` unmasked
+    414-421 TFLOP/s against 378-380, ``descending`` 404-409 against 395-398, causal ``shift``
+    361-365 against 351-362; GQA 4:1 ``shift`` 425-432 against 392-393 and causal 391-398
+    against 363-374; 16k ``shift`` 434-446 against 383-401. The writer on 40 registers with 64
+    rows gained nothing (378-383 at 4k ``shift``), dK in flight lost 10-15%, and two dQ
+    buffers or three stages timed erratically (368-435 at 4k). The writer then gave up 16
+    registers more (24; it adds by TMA and waits): 4k causal ``shift`` 362-365 TFLOP/s against
+    379, unmasked ``ascending`` 422 against 426-435, GQA 4:1 tied
+    (``bench/results/2026-11-25-h100-14ea8b5/``; at head dim 128 it tied or lost, so 40 stays
+    there). Packed sequences keep 64 rows and the buffers above: there the tile measured 1-6%
+    slower causal (three documents 2.88-2.93 ms against 2.75-2.76, six 1.88-1.89 against 1.86)
+    and tied unmasked, with 152-224 bytes of spills.
     """
     causal_128 = head_dim == 128 and causal
     deep = head_dim == 64
