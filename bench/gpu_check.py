@@ -53,7 +53,7 @@ def backward(q, k, v, do, out, lse, causal, schedule, config=None):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     plan = attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
                               scale=q.shape[-1] ** -0.5, schedule=schedule, config=config)
-    return plan.schedule, (dq, dk, dv)
+    return plan.schedule.name, (dq, dk, dv)
 
 
 def check(report):

@@ -23,10 +23,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dash_inductor.ops import attention_forward
-from dash_inductor.ops import attention_backward as portable_backward
-from dash_inductor.ops import catalog
-from dash_inductor.ops.hopper.launch import attention_backward as hopper_backward
+from dash_inductor.ops import attention_backward, attention_forward, catalog
 from dash_inductor.testing import flash_rule_errors, sdpa_math_reference
 
 
@@ -45,15 +42,15 @@ def _forward(q, k, v, causal):
 
 def _hopper(q, k, v, do, out, lse, causal, schedule, cfg=None):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    hopper_backward(do, q, k, v, out, lse, dq, dk, dv, is_causal=causal, scale=q.shape[-1] ** -0.5,
-                    schedule=catalog.get(schedule), max_spin=1 << 26, cfg=cfg)
+    attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
+                       scale=q.shape[-1] ** -0.5, schedule=schedule, kernel="hopper", config=cfg)
     return dq, dk, dv
 
 
 def _portable(q, k, v, do, out, lse, causal, schedule):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    portable_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
-                      scale=q.shape[-1] ** -0.5, schedule=schedule, kernel="portable")
+    attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
+                       scale=q.shape[-1] ** -0.5, schedule=schedule, kernel="portable")
     return dq, dk, dv
 
 

@@ -24,10 +24,8 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dash_inductor.ops import attention_forward, catalog
+from dash_inductor.ops import attention_backward, attention_forward
 from dash_inductor.ops.hopper.config import HopperForwardConfig
-from dash_inductor.ops.hopper.launch import attention_backward as hopper_backward
-from dash_inductor.ops.hopper.launch import attention_forward as hopper_forward
 from dash_inductor.testing import flash_rule_errors, sdpa_math_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,10 +37,8 @@ def _run(path, q, k, v, causal, cfg=None):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
     scale = q.shape[-1] ** -0.5
-    if path == "hopper":
-        hopper_forward(q, k, v, out, lse, is_causal=causal, scale=scale, cfg=cfg)
-    else:
-        attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale, kernel=path)
+    attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale, kernel=path,
+                      config=cfg)
     return out, lse
 
 
@@ -73,9 +69,8 @@ def check(shapes, repeats, log):
                 log(f"accuracy {shape} causal={causal} {path:8s} {err}  lse {lse_err:.2e}")
             out, lse = _run("hopper", q, k, v, causal)
             grads = [torch.empty_like(t) for t in (q, k, v)]
-            hopper_backward(do, q, k, v, out, lse, *grads, is_causal=causal,
-                            scale=q.shape[-1] ** -0.5, schedule=catalog.get("shift"),
-                            max_spin=1 << 26)
+            attention_backward(do, q, k, v, out, lse, None, *grads, is_causal=causal,
+                               scale=q.shape[-1] ** -0.5, schedule="shift", kernel="hopper")
             errors = flash_rule_errors(grads, same[1:], ref[1:], names=("dq", "dk", "dv"))
             ok &= all(e.ok for e in errors)
             log(f"step {shape} causal={causal} hopper forward + shift: "

@@ -242,7 +242,7 @@ def prepare(method: Method, problem: Problem, inputs: tuple[Tensor, Tensor, Tens
             for t in (q, k, v):
                 t.grad = None
         if method.is_dash:  # the plan of the backward that just ran
-            prepared.backend = last_plans()[-1].schedule
+            prepared.backend = last_plans()[-1].schedule.name
         return prepared
     raise RuntimeError("; ".join(errors))
 

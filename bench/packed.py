@@ -84,7 +84,7 @@ def first_that_runs(method: m.Method, candidates: pm.Candidates, inputs: pm.Inpu
         backend = candidate.backend
         if method.is_dash:
             plans = [p for p in last_plans() if p.op == "backward"]
-            backend = f"{plans[-1].kernel} {plans[-1].schedule}" if q.is_cuda and plans \
+            backend = f"{plans[-1].kernel} {plans[-1].schedule.name}" if q.is_cuda and plans \
                 else "reference"
         return backend, candidate
     raise RuntimeError("; ".join(errors))

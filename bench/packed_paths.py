@@ -19,8 +19,7 @@ import argparse
 import torch
 import triton
 
-from dash_inductor.ops import catalog, packed
-from dash_inductor.ops.hopper.launch import varlen_backward as hopper_varlen_backward
+from dash_inductor.ops import varlen_backward, varlen_forward
 
 TOKENS, WIDTH = 16384, 2048  # WIDTH = heads x head dim
 PACKINGS = ([7429, 3667, 5288], [4096] * 4, [TOKENS], [5461, 5461, 5462])
@@ -42,19 +41,18 @@ def main() -> None:
                           device="cuda")
         longest, scale = max(lens), head_dim ** -0.5
         out, lse = torch.empty_like(q), torch.empty(heads, TOKENS, device="cuda")
-        packed.varlen_forward(q, k, v, cu, cu, longest, longest, out, lse, is_causal=causal,
-                              scale=scale, kernel="portable")
+        varlen_forward(q, k, v, cu, cu, longest, longest, out, lse, is_causal=causal, scale=scale,
+                       kernel="portable")
         pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
         flops = 2.5 * 4 * heads * head_dim * pairs
         grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
         row = []
         for schedule in ("shift", "descending", "ascending", "atomic", "recompute"):
-            ms = triton.testing.do_bench(lambda: hopper_varlen_backward(
-                do, q, k, v, out, lse, (cu, cu, longest, longest), *grads, is_causal=causal,
-                scale=scale, schedule=catalog.get(schedule), max_spin=1 << 26, window=(-1, -1)),
-                warmup=20, rep=100)
+            ms = triton.testing.do_bench(lambda: varlen_backward(
+                do, q, k, v, out, lse, cu, cu, longest, longest, *grads, is_causal=causal,
+                scale=scale, schedule=schedule, kernel="hopper"), warmup=20, rep=100)
             row.append(f"{schedule} {ms:.3f}ms {flops / ms / 1e9:.0f}TF")
-        ms = triton.testing.do_bench(lambda: packed.varlen_backward(
+        ms = triton.testing.do_bench(lambda: varlen_backward(
             do, q, k, v, out, lse, cu, cu, longest, longest, *grads, is_causal=causal, scale=scale,
             schedule="recompute", kernel="portable"), warmup=20, rep=100)
         row.append(f"portable-recompute {ms:.3f}ms {flops / ms / 1e9:.0f}TF")

@@ -179,7 +179,7 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 def _plan(plan) -> str:
     """One launch plan as "op: kernel path, schedule (why not the fastest path)"."""
-    text = f"{plan.op}: {plan.kernel}" + (f", {plan.schedule}" if plan.schedule else "")
+    text = f"{plan.op}: {plan.kernel}" + (f", {plan.schedule.name}" if plan.schedule else "")
     return text + (f" ({plan.kernel_reason})" if plan.kernel_reason else "")
 
 

@@ -41,6 +41,8 @@ from dash_inductor.demo import ProgressBar, quiet_cache_key_warnings  # noqa: E4
 from dash_inductor.ops import catalog  # noqa: E402
 
 CONTEXT_LOST = 3  #: the worker's exit status after a CUDA error that poisons the process
+#: What runs without a GPU, for the message of a CPU-only machine.
+CPU_COMMAND = "python -m dash_inductor bench --packed --smoke --device cpu"
 
 
 def environment() -> dict[str, Any]:
@@ -81,10 +83,15 @@ def predicted_backward_ms(problem: m.Problem, schedule: str, atomic_ms: float | 
 
 
 def auto_choice(problem: m.Problem, arch: int) -> str:
-    """The schedule ``config.schedule = "auto"`` resolves to for this problem."""
-    from dash_inductor.ops.configs import auto_schedule
+    """The schedule ``config.schedule = "auto"`` resolves to for this problem (unmasked or causal,
+    on the kernel path the dispatcher takes for it)."""
+    from dash_inductor.ops import dispatch
+    from dash_inductor.ops.hopper.config import HEAD_DIMS
+    from dash_inductor.ops.hopper.support import DTYPES
 
-    return auto_schedule(problem.head_dim, problem.dtype, problem.causal, _tiles(problem, arch), arch)
+    hopper = arch == 9 and problem.dtype in DTYPES and problem.head_dim in HEAD_DIMS
+    path = dispatch.HOPPER if hopper else dispatch.PORTABLE
+    return dispatch.auto_schedule(path, problem.causal, False, problem.head_dim, False).name
 
 
 def add_predictions(rows: list[dict[str, Any]], env: dict[str, Any]) -> None:
@@ -220,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/run.py needs a CUDA GPU; none is visible.", file=sys.stderr)
+        print(f"bench/run.py times the grid on a CUDA GPU; none is visible. On a CPU, "
+              f"`{CPU_COMMAND}` runs the packed-document benchmark at tiny sizes (a smoke test of "
+              f"the scripts, not a measurement).", file=sys.stderr)
         return 2
     by_name = {x.name: x for x in m.METHODS}
     unknown = [x for x in args.methods.split(",") if x not in by_name]

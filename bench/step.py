@@ -1,10 +1,13 @@
 """End-to-end benchmark: one compiled GPT training step with determinism on (dash), on (SDPA), off.
 
     python bench/step.py [--quick] [--out DIR] [--seqs 2048,4096,8192] [--layers 12] ...
+    python bench/step.py --seqs 4096 --batch 2 --no-optimizer --modes default,reduce-overhead
 
-A GPT-style model (12 layers, d_model 1024, 16 heads, causal SDPA, bf16, B*N = 16k tokens) is
-compiled with torch.compile and trained with AdamW in three modes (``--no-nan-fill``: determinism
-on without PyTorch's NaN fill of every new tensor, ``torch.utils.deterministic``):
+A GPT-style model (12 layers, d_model 1024, 16 heads, causal SDPA, bf16, B*N = 16k tokens, or
+``--batch`` sequences a step) is compiled with torch.compile (``--modes``: "default", and
+"reduce-overhead" for CUDA graphs) and trained with AdamW (none with ``--no-optimizer``) in three
+variants (``--no-nan-fill``: determinism on without PyTorch's NaN fill of every new tensor,
+``torch.utils.deterministic``):
 
 - dash: ``torch.use_deterministic_algorithms(True)``; the Inductor pass puts dash.attention in place
   of SDPA (the number of rewritten calls is printed);
@@ -62,22 +65,24 @@ def time_back_to_back(train: Any, steps: int) -> tuple[float, float]:
 
 
 def time_training(cfg: DemoConfig, deterministic: bool, rewrite: str, warmup: int,
-                  record_sites: bool, profile: bool = False) -> dict[str, Any]:
-    """Compile and train ``cfg``'s model; median step time after ``warmup`` steps, peak memory,
-    and with ``profile`` the kernels with the most device time in one more step."""
+                  record_sites: bool, profile: bool = False, mode: str = "default",
+                  optimize: bool = True) -> dict[str, Any]:
+    """Compile (in ``mode``) and train ``cfg``'s model; median step time after ``warmup`` steps,
+    peak memory, and with ``profile`` the kernels with the most device time in one more step."""
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     model = make_model(cfg)
-    compiled = torch.compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    compiled = torch.compile(model, mode=None if mode == "default" else mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimize else None
     generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
     tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), device=cfg.device,
                            generator=generator)
 
     def train() -> None:
         compiled(tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
 
     def step() -> float:
         torch.cuda.synchronize()
@@ -148,6 +153,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--markdown", type=Path, help="write the tables here instead, as markdown")
     parser.add_argument("--seqs", default="2048,4096,8192", help="comma-separated sequence lengths")
     parser.add_argument("--tokens", type=int, default=16384, help="B * N per step (default 16384)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="sequences a step (default: --tokens / N)")
+    parser.add_argument("--modes", default="default",
+                        help="comma-separated torch.compile modes: default, reduce-overhead")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the attention-alone peak memory measurement")
+    parser.add_argument("--no-optimizer", action="store_true",
+                        help="backward only, no AdamW step: the attention's share of a step")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
@@ -178,26 +191,32 @@ def main(argv: list[str] | None = None) -> int:
     torch.utils.deterministic.fill_uninitialized_memory = not args.no_nan_fill
     env = environment()
     seqs = [int(x) for x in args.seqs.split(",")]
+    modes = args.modes.split(",")
     print(f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}: {args.layers} layers, "
-          f"d_model {args.d_model}, {args.heads} heads, {args.tokens} tokens/step, bf16")
+          f"d_model {args.d_model}, {args.heads} heads, bf16, modes {modes}")
     rows, memory = [], []
-    bar = ProgressBar(len(seqs) * len(VARIANTS), "step")
+    bar = ProgressBar(len(seqs) * len(modes) * len(VARIANTS), "step")
     for seq in seqs:
         cfg = DemoConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, seq=seq,
-                         batch=max(args.tokens // seq, 1), steps=args.steps, vocab=args.vocab,
-                         kv_group=args.gqa, device="cuda", dtype=torch.bfloat16)
-        for name, (deterministic, rewrite) in VARIANTS.items():
-            row: dict[str, Any] = {"seq": seq, "batch": cfg.batch, "variant": name}
-            try:
-                row.update(time_training(cfg, deterministic, rewrite, args.warmup,
-                                         record_sites=rewrite != "off", profile=args.profile))
-                note = f"N={seq} {name}: {row['step_ms']:.1f} ms"
-            except Exception as error:  # record and go on
-                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-                note = f"N={seq} {name}: FAILED"
-            rows.append(row)
-            bar.update(note)
-        memory += attention_memory(seq, cfg)
+                         batch=args.batch or max(args.tokens // seq, 1), steps=args.steps,
+                         vocab=args.vocab, kv_group=args.gqa, device="cuda",
+                         dtype=torch.bfloat16)
+        for mode in modes:
+            for name, (deterministic, rewrite) in VARIANTS.items():
+                row: dict[str, Any] = {"seq": seq, "batch": cfg.batch, "mode": mode,
+                                       "variant": name}
+                try:
+                    row.update(time_training(cfg, deterministic, rewrite, args.warmup,
+                                             record_sites=rewrite != "off", profile=args.profile,
+                                             mode=mode, optimize=not args.no_optimizer))
+                    note = f"N={seq} B={cfg.batch} {mode} {name}: {row['step_ms']:.1f} ms"
+                except Exception as error:  # record and go on
+                    row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                    note = f"N={seq} {mode} {name}: FAILED"
+                rows.append(row)
+                bar.update(note)
+        if not args.no_memory:
+            memory += attention_memory(seq, cfg)
     print_results(rows, memory)
     directory = args.out or outdir.default_dir(env["gpu"], env["date"])
     markdown_path = args.markdown or directory / "step.md"
@@ -218,12 +237,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_results(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) -> None:
     print("\nCompiled training step: median ms (x determinism off), peak memory GiB")
-    by = {(r["seq"], r["variant"]): r for r in rows}
-    for seq in dict.fromkeys(r["seq"] for r in rows):
-        off = by.get((seq, "determinism off"), {}).get("step_ms")
+    by = {(_case(r), r["variant"]): r for r in rows}
+    for case in dict.fromkeys(_case(r) for r in rows):
+        off = by.get((case, "determinism off"), {}).get("step_ms")
         cells = []
         for name in VARIANTS:
-            r = by.get((seq, name), {})
+            r = by.get((case, name), {})
             if r.get("error"):
                 cells.append(f"{name}: error ({r['error']})")
                 continue
@@ -234,7 +253,7 @@ def print_results(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) -> N
             cells.append(f"{name}: {r['step_ms']:.1f} ms{ratio}, {r['peak_memory_gib']:.2f} GiB"
                          f"{sites}{kernels}; back to back {r['back_to_back_ms']:.1f} ms a step, "
                          f"host {r['host_ms']:.1f}")
-        print(f"N={seq}:\n  " + "\n  ".join(cells))
+        print(f"N={case[0]}, B={case[1]}, {case[2]}:\n  " + "\n  ".join(cells))
     print("\nOne causal attention forward+backward: peak memory beyond its inputs")
     for r in memory:
         if r.get("error"):
@@ -244,30 +263,35 @@ def print_results(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) -> N
                   f"({r['extra_over_q_size']:.2f} x the size of q)")
 
 
+def _case(row: dict[str, Any]) -> tuple[int, int, str]:
+    return row["seq"], row["batch"], row["mode"]
+
+
 def render_markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[dict[str, Any]],
                     memory: list[dict[str, Any]]) -> str:
     lines = [f"Measured on {env['gpu']}, torch {env['torch']}, Triton {env['triton']}, CUDA "
              f"{env['cuda']}, {env['date']}: {args.layers} layers, d_model {args.d_model}, "
-             f"{args.heads} heads, {args.tokens} tokens per step, bf16, AdamW"
+             f"{args.heads} heads, bf16, " + ("no optimizer" if args.no_optimizer else "AdamW")
              + (", determinism without the NaN fill of new tensors." if args.no_nan_fill else "."),
              "",
-             "| N | " + " | ".join(VARIANTS) + " | dash / off | SDPA on / off |",
-             "|---|" + "---|" * (len(VARIANTS) + 2)]
-    by = {(r["seq"], r["variant"]): r for r in rows}
-    for seq in dict.fromkeys(r["seq"] for r in rows):
+             "| N | B | mode | " + " | ".join(VARIANTS) + " | dash / off | SDPA on / off |",
+             "|---|---|---|" + "---|" * (len(VARIANTS) + 2)]
+    by = {(_case(r), r["variant"]): r for r in rows}
+    for case in dict.fromkeys(_case(r) for r in rows):
         cells, times = [], {}
         for name in VARIANTS:
-            r = by.get((seq, name), {})
+            r = by.get((case, name), {})
             times[name] = r.get("step_ms")
             cells.append("error" if r.get("error") else
                          f"{r['step_ms']:.1f} ms, {r['peak_memory_gib']:.1f} GiB")
         off = times["determinism off"]
         ratios = [f"{times[n] / off:.2f}" if times[n] and off else "—"
                   for n in ("dash (determinism on)", "SDPA (determinism on)")]
-        lines.append(f"| {seq} | " + " | ".join(cells + ratios) + " |")
+        lines.append("| " + " | ".join(map(str, case)) + " | " + " | ".join(cells + ratios) + " |")
     lines += ["", "Back to back (no sync between steps): ms a step, and the host's ms a step.", "",
-              "| N | variant | ms a step | host ms a step |", "|---|---|---|---|"]
-    lines += [f"| {r['seq']} | {r['variant']} | {r['back_to_back_ms']:.1f} | {r['host_ms']:.1f} |"
+              "| N | B | mode | variant | ms a step | host ms a step |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['seq']} | {r['batch']} | {r['mode']} | {r['variant']} | "
+              f"{r['back_to_back_ms']:.1f} | {r['host_ms']:.1f} |"
               for r in rows if not r.get("error")]
     for r in rows:
         if r.get("kernels"):

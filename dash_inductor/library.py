@@ -1,9 +1,10 @@
 """The ``dash::attention`` custom ops: schemas, fake kernels, autograd and per-device kernels.
 
-``dash::attention`` returns (out, logsumexp) with SDPA's semantics (logsumexp in float32, float64
-for float64 inputs so that float64 gradients stay exact); its backward is the separate op
-``dash::attention_backward`` (and ``dash::attention_mask_grad`` for a float mask that requires grad),
-so that AOTAutograd and Inductor see three opaque, deterministic ops. Kernels by device:
+``dash::attention`` takes SDPA's arguments in SDPA's order, ``dropout_p`` included, and returns
+(out, logsumexp) with SDPA's semantics (logsumexp in float32, float64 for float64 inputs so that
+float64 gradients stay exact); its backward is the separate op ``dash::attention_backward`` (and
+``dash::attention_mask_grad`` for a float mask that requires grad), so that AOTAutograd and
+Inductor see three opaque, deterministic ops. Kernels by device:
 
 - CUDA: the Triton kernels of ``dash_inductor.ops`` for float16/bfloat16/float32; float64 and the
   mask gradient run the blocked PyTorch reference on the GPU (same semantics, deterministic, slower).
@@ -11,19 +12,19 @@ so that AOTAutograd and Inductor see three opaque, deterministic ops. Kernels by
   Triton interpreter (for tests; float64 stays on the reference).
 
 Every choice that changes the backward's bits or path (``config.CHOICES``: schedule, max_spin,
-cpu_backend, kernel, in that order after SDPA's arguments; the op calls the last one
-``kernel_path``, as Inductor's fallback kernels reserve ``kernel``) is an argument of both ops, so
-it is captured when the forward runs and saved for the backward: ``attention`` fills them from
-the config in force at the call, the Inductor pass from the config in force at compile time. What each launch ran is kept in ``last_plans()``.
+cpu_backend, kernel; the op calls the last one ``kernel_path``, as Inductor's fallback kernels
+reserve ``kernel``) is a keyword-only argument of both ops, so it is captured when the forward
+runs and saved for the backward. What each launch ran is kept in ``last_plans()``.
 
-``window_size`` (a sliding window, ``window.py``) comes right before the choices; the Triton
-kernels take it as (left, right) and skip the tiles outside it.
+An eager call on plain CUDA tensors, outside tracing and dispatch modes, runs the same launches
+through a ``torch.autograd.Function`` instead of the dispatcher's custom-op layers, whose Python
+took most of a small call's host time; everything else (compile, fake tensors, DTensor, modes)
+goes through the ops. Both run the same plans, so the bits are the same.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
 import math
 import warnings
 from collections.abc import Sequence
@@ -32,22 +33,20 @@ import torch
 from torch import Tensor
 
 from . import config, reference
-from .ops import catalog
+from .ops import catalog, dispatch
 from .ops.plan import Plan
-from .shapes import Canonical, canonicalize, empty_like_layout, unfilled
+from .shapes import (Canonical, canonicalize, check_not_nested, check_sdpa_flags,
+                     empty_like_layout, unfilled)
 from .window import NO_WINDOW, check_window
 
-log = logging.getLogger("dash_inductor")
 #: The latest launches' plans, newest last (host-side values only: recording never syncs).
 _PLANS: collections.deque[Plan] = collections.deque(maxlen=16)
-_LOGGED: set[Plan] = set()
+_REFERENCE_FORWARD = Plan("forward", "reference", None, None, None, None, ())
 
 
-def _record(plan: Plan) -> None:
+def record(plan: Plan) -> None:
+    """Keep ``plan`` as the latest launch (host-side values only: never syncs)."""
     _PLANS.append(plan)
-    if plan not in _LOGGED:
-        _LOGGED.add(plan)
-        log.debug("dash_inductor: %s", plan)
 
 
 def last_plans() -> list[Plan]:
@@ -55,7 +54,8 @@ def last_plans() -> list[Plan]:
     return list(_PLANS)
 
 
-def _uses_triton(t: Tensor, cpu_backend: str) -> bool:
+def uses_triton(t: Tensor, cpu_backend: str) -> bool:
+    """Whether the Triton kernels run on ``t``'s device (else the PyTorch reference)."""
     if t.dtype == torch.float64:
         return False
     if t.device.type == "cuda":
@@ -63,23 +63,13 @@ def _uses_triton(t: Tensor, cpu_backend: str) -> bool:
     return t.device.type == "cpu" and cpu_backend == "triton"
 
 
-def _ops():
-    """The Triton layer, imported on first use so that importing dash_inductor stays cheap."""
-    from . import ops
-
-    return ops
-
-
-def _check_choices(schedule: str, max_spin: int, cpu_backend: str, kernel_path: str) -> None:
-    config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
-
-
-def check_schedule_allowed(q: Tensor, schedule: str, cpu_backend: str) -> None:
+def check_schedule_allowed(schedule: str) -> None:
     """Refuse (or, warn-only, warn about) a non-deterministic backward under deterministic
-    algorithms, when the forward runs, as PyTorch does for its own non-deterministic ops."""
+    algorithms, when the forward runs, as PyTorch does for its own non-deterministic ops; on
+    every device and path alike, so code that passes on a laptop passes on the cluster."""
     if schedule == catalog.AUTO or catalog.get(schedule).deterministic:
         return
-    if _uses_triton(q, cpu_backend) and torch.are_deterministic_algorithms_enabled():
+    if torch.are_deterministic_algorithms_enabled():
         message = (f"dash.attention with schedule={schedule!r} adds dQ with unordered atomics in "
                    f"the backward and is not deterministic; use 'auto' or another schedule")
         if not torch.is_deterministic_algorithms_warn_only_enabled():
@@ -87,22 +77,55 @@ def check_schedule_allowed(q: Tensor, schedule: str, cpu_backend: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
-def _allocate_forward(c: Canonical) -> tuple[Tensor, Tensor]:
+def check_no_dropout(dropout_p: float, where: str = "dash.attention") -> None:
+    """``dropout_p`` must be 0.0: the kernels have no dropout; say where dropout can run."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise ValueError(f"{where}: dropout_p must be a float, got {dropout_p!r}")
+    if dropout_p != 0.0:
+        raise ValueError(f"{where}: dropout_p={dropout_p} is not supported (the kernels have no "
+                         f"dropout); use dropout_p=0.0, or torch.nn.functional."
+                         f"scaled_dot_product_attention for attention dropout")
+
+
+def _forward(c: Canonical, cpu_backend: str, kernel_path: str) -> tuple[Tensor, Tensor]:
+    """(out, logsumexp) of canonical inputs, in their 4-D form."""
     b, h, l, _ = c.q.shape
     out = empty_like_layout(c.q, (b, h, l, c.v.shape[-1]))
     lse = torch.empty((b, h, l), dtype=reference.accumulation_dtype(c.q.dtype), device=c.q.device)
+    if out.numel() == 0 or c.k.shape[2] == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+    elif uses_triton(c.q, cpu_backend):
+        _PLANS.append(dispatch.attention_forward(c.q, c.k, c.v, c.mask, out, lse,
+                                                 is_causal=c.is_causal, scale=c.scale,
+                                                 kernel=kernel_path, window=c.window))
+    else:
+        ref_out, ref_lse = reference.attention_forward(c.q, c.k, c.v, c.mask, c.is_causal, c.scale,
+                                                       c.window)
+        out.copy_(ref_out)
+        lse.copy_(ref_lse)
+        _PLANS.append(_REFERENCE_FORWARD)
     return out, lse
 
 
-def _allocate_grads(c: Canonical) -> tuple[Tensor, Tensor, Tensor]:
-    return (empty_like_layout(c.q, tuple(c.q.shape)), empty_like_layout(c.k, tuple(c.k.shape)),
-            empty_like_layout(c.v, tuple(c.v.shape)))
-
-
-def _grads_to_inputs(c: Canonical, grads: tuple[Tensor, Tensor, Tensor], q: Tensor, k: Tensor,
-                     v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = grads
-    return c.reduce_grad(dq, q), c.reduce_grad(dk, k), c.reduce_grad(dv, v)
+def _backward(c: Canonical, do4: Tensor, out4: Tensor, lse4: Tensor, schedule: str,
+              max_spin: int, cpu_backend: str, kernel_path: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of canonical inputs, in their 4-D form."""
+    grads = (empty_like_layout(c.q, tuple(c.q.shape)), empty_like_layout(c.k, tuple(c.k.shape)),
+             empty_like_layout(c.v, tuple(c.v.shape)))
+    if any(g.numel() == 0 for g in grads) or c.q.shape[2] == 0 or c.k.shape[2] == 0:
+        for g in grads:
+            g.zero_()
+    elif uses_triton(c.q, cpu_backend):
+        _PLANS.append(dispatch.attention_backward(
+            do4, c.q, c.k, c.v, out4, lse4, c.mask, *grads, is_causal=c.is_causal, scale=c.scale,
+            schedule=schedule, max_spin=max_spin, kernel=kernel_path, window=c.window))
+    else:
+        for g, r in zip(grads, reference.attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask,
+                                                            c.is_causal, c.scale, c.window)):
+            g.copy_(r)
+        _PLANS.append(Plan("backward", "reference", None, schedule, None, None, ()))
+    return grads
 
 
 def _as_canonical_out(c: Canonical, t: Tensor) -> Tensor:
@@ -110,65 +133,78 @@ def _as_canonical_out(c: Canonical, t: Tensor) -> Tensor:
     return t.unsqueeze(0) if c.three_d else t
 
 
+def _grads_to_inputs(c: Canonical, grads, q: Tensor, k: Tensor, v: Tensor):
+    dq, dk, dv = grads
+    return c.reduce_grad(dq, q), c.reduce_grad(dk, k), c.reduce_grad(dv, v)
+
+
 _MAX_SPIN = 1 << 26  # the op's default; config.max_spin's default
-_CHOICES_SCHEMA = ('int[2] window_size=[-1, -1], str schedule="auto", SymInt max_spin=67108864, '
-                   'str cpu_backend="reference", str kernel_path="auto"')
+#: The op's keyword-only arguments after SDPA's: the window, then ``config.CHOICES``.
+OPTIONS_SCHEMA = ('int[2] window_size=[-1, -1], str schedule="auto", SymInt max_spin=67108864, '
+                  'str cpu_backend="reference", str kernel_path="auto"')
+#: SDPA's schema (``aten::scaled_dot_product_attention``): ``scale`` and ``enable_gqa`` are
+#: keyword-only there too.
+_SDPA_SCHEMA = ("Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float dropout_p=0.0, "
+                "bool is_causal=False, *, float? scale=None, bool enable_gqa=False")
 
 
-@torch.library.custom_op(
-    "dash::attention", mutates_args=(),
-    schema=("(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, bool is_causal=False, "
-            f"float? scale=None, bool enable_gqa=False, {_CHOICES_SCHEMA}) -> (Tensor, Tensor)"))
+def op_options(choices: dict[str, object], window: Sequence[int] = NO_WINDOW) -> dict[str, object]:
+    """``config.choices()`` (and a window) as the ops' keyword arguments."""
+    return dict(window_size=list(window), schedule=choices["schedule"],
+                max_spin=choices["max_spin"], cpu_backend=choices["cpu_backend"],
+                kernel_path=choices["kernel"])
+
+
+@torch.library.custom_op("dash::attention", mutates_args=(),
+                         schema=f"({_SDPA_SCHEMA}, {OPTIONS_SCHEMA}) -> (Tensor, Tensor)")
 def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
-                 is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                 window_size: Sequence[int] = NO_WINDOW, schedule: str = "auto",
-                 max_spin: int = _MAX_SPIN, cpu_backend: str = "reference",
-                 kernel_path: str = "auto") -> tuple[Tensor, Tensor]:
+                 dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+                 enable_gqa: bool = False, window_size: Sequence[int] = NO_WINDOW,
+                 schedule: str = "auto", max_spin: int = _MAX_SPIN,
+                 cpu_backend: str = "reference", kernel_path: str = "auto"
+                 ) -> tuple[Tensor, Tensor]:
     raise NotImplementedError(f"dash.attention has no kernel for device {q.device.type!r}; "
                               f"supported: cpu, cuda")
 
 
+def _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+             choices) -> Canonical:
+    config.check_choices(choices)
+    check_no_dropout(dropout_p)
+    return canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
+
+
 @attention_op.register_fake
-def _attention_fake(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                    window_size=NO_WINDOW, schedule="auto", max_spin=_MAX_SPIN,
-                    cpu_backend="reference", kernel_path="auto"):
-    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
-    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
-    out, lse = _allocate_forward(c)
+def _attention_fake(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                    enable_gqa=False, window_size=NO_WINDOW, schedule="auto",
+                    max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
+    c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+                 (schedule, max_spin, cpu_backend, kernel_path))
+    b, h, l, _ = c.q.shape
+    out = empty_like_layout(c.q, (b, h, l, c.v.shape[-1]))
+    lse = torch.empty((b, h, l), dtype=reference.accumulation_dtype(c.q.dtype), device=c.q.device)
     return c.squeeze(out), c.squeeze(lse)
 
 
 @attention_op.register_kernel(("cpu", "cuda"))
 @unfilled()
-def _attention_kernel(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                      window_size=NO_WINDOW, schedule="auto", max_spin=_MAX_SPIN,
-                      cpu_backend="reference", kernel_path="auto"):
-    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
-    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
-    out, lse = _allocate_forward(c)
-    if out.numel() == 0 or c.k.shape[2] == 0:
-        out.zero_()
-        lse.fill_(-math.inf)
-    elif _uses_triton(q, cpu_backend):
-        _record(_ops().attention_forward(c.q, c.k, c.v, c.mask, out, lse, is_causal=c.is_causal,
-                                         scale=c.scale, kernel=kernel_path, window=c.window))
-    else:
-        ref_out, ref_lse = reference.attention_forward(c.q, c.k, c.v, c.mask, c.is_causal, c.scale,
-                                                       c.window)
-        out.copy_(ref_out)
-        lse.copy_(ref_lse)
-        _record(Plan("forward", "reference", None, None, None, None, ()))
+def _attention_kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                      enable_gqa=False, window_size=NO_WINDOW, schedule="auto",
+                      max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
+    c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+                 (schedule, max_spin, cpu_backend, kernel_path))
+    out, lse = _forward(c, cpu_backend, kernel_path)
     return c.squeeze(out), c.squeeze(lse)
 
 
 @torch.library.custom_op(
     "dash::attention_backward", mutates_args=(),
     schema=("(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor logsumexp, "
-            "Tensor? attn_mask, bool is_causal, float? scale, bool enable_gqa, "
-            f"{_CHOICES_SCHEMA}) -> (Tensor, Tensor, Tensor)"))
+            "Tensor? attn_mask, bool is_causal, float? scale, bool enable_gqa, *, "
+            f"{OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)"))
 def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                           logsumexp: Tensor, attn_mask: Tensor | None, is_causal: bool,
-                          scale: float | None, enable_gqa: bool,
+                          scale: float | None, enable_gqa: bool, *,
                           window_size: Sequence[int] = NO_WINDOW, schedule: str = "auto",
                           max_spin: int = _MAX_SPIN, cpu_backend: str = "reference",
                           kernel_path: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
@@ -178,34 +214,24 @@ def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
-                             enable_gqa, window_size=NO_WINDOW, schedule="auto",
+                             enable_gqa, *, window_size=NO_WINDOW, schedule="auto",
                              max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
-    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
+    config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
     c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
-    return _grads_to_inputs(c, _allocate_grads(c), q, k, v)
+    grads = (empty_like_layout(c.q, tuple(c.q.shape)), empty_like_layout(c.k, tuple(c.k.shape)),
+             empty_like_layout(c.v, tuple(c.v.shape)))
+    return _grads_to_inputs(c, grads, q, k, v)
 
 
 @attention_backward_op.register_kernel(("cpu", "cuda"))
 @unfilled()
 def _attention_backward_kernel(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
-                               enable_gqa, window_size=NO_WINDOW, schedule="auto",
+                               enable_gqa, *, window_size=NO_WINDOW, schedule="auto",
                                max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
-    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
+    config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
     c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
-    grads = _allocate_grads(c)
     do4, out4, lse4 = (_as_canonical_out(c, t) for t in (grad_out, out, logsumexp))
-    if any(g.numel() == 0 for g in grads) or c.q.shape[2] == 0 or c.k.shape[2] == 0:
-        for g in grads:
-            g.zero_()
-    elif _uses_triton(q, cpu_backend):
-        _record(_ops().attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask, *grads,
-                                          is_causal=c.is_causal, scale=c.scale, schedule=schedule,
-                                          max_spin=max_spin, kernel=kernel_path, window=c.window))
-    else:
-        for g, r in zip(grads, reference.attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask,
-                                                            c.is_causal, c.scale, c.window)):
-            g.copy_(r)
-        _record(Plan("backward", "reference", None, schedule, None, None, ()))
+    grads = _backward(c, do4, out4, lse4, schedule, max_spin, cpu_backend, kernel_path)
     return _grads_to_inputs(c, grads, q, k, v)
 
 
@@ -236,30 +262,30 @@ def _attention_mask_grad_fake(grad_out, q, k, v, out, logsumexp, attn_mask, scal
     return torch.empty(attn_mask.shape, dtype=attn_mask.dtype, device=attn_mask.device)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size, *choices = inputs
-    schedule, _, cpu_backend, _ = choices
-    check_schedule_allowed(q, schedule, cpu_backend)
+def _setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
+    q, k, v, attn_mask, _dropout_p, is_causal = inputs
+    options = dict(keyword_only_inputs)
+    check_schedule_allowed(options["schedule"])
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
-    ctx.is_causal, ctx.scale, ctx.enable_gqa = is_causal, scale, enable_gqa
-    ctx.choices = choices
-    ctx.window_size = tuple(window_size)
+    ctx.is_causal, ctx.scale, ctx.enable_gqa = is_causal, options.pop("scale"), options.pop(
+        "enable_gqa")
+    ctx.options = options
 
 
-def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
+def _op_backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, ctx.is_causal,
-                                       ctx.scale, ctx.enable_gqa, ctx.window_size, *ctx.choices)
+                                       ctx.scale, ctx.enable_gqa, **ctx.options)
     dmask = None
     if attn_mask is not None and ctx.needs_input_grad[3]:
         dmask = attention_mask_grad_op(grad_out, q, k, v, out, lse, attn_mask, ctx.scale,
-                                       ctx.enable_gqa, ctx.window_size)
-    return dq, dk, dv, dmask, None, None, None, None, None, None, None, None
+                                       ctx.enable_gqa, ctx.options["window_size"])
+    return dq, dk, dv, dmask, None, None
 
 
-attention_op.register_autograd(_backward, setup_context=_setup_context)
+attention_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def forbid_double_backward(op, name: str) -> None:
@@ -274,29 +300,72 @@ def forbid_double_backward(op, name: str) -> None:
             f"without a derivative. For higher-order gradients use "
             f"torch.nn.functional.scaled_dot_product_attention's math backend.")
 
-    op.register_autograd(refuse, setup_context=lambda ctx, inputs, output: None)
+    op.register_autograd(refuse, setup_context=lambda ctx, inputs, output, **_: None)
 
 
 forbid_double_backward(attention_backward_op, "dash.attention")
 forbid_double_backward(attention_mask_grad_op, "dash.attention (its mask gradient)")
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The eager fast path: the ops' forward and backward kernels, called directly."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, c: Canonical, choices: tuple):
+        with unfilled():
+            out, lse = _forward(c, choices[2], choices[3])
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros for lse's gradient: it has none
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.form, ctx.choices = c.form(), choices  # no tensor: saved-tensor hooks see them all
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        c = ctx.form.bind(q, k, v)
+        schedule, max_spin, cpu_backend, kernel_path = ctx.choices
+        with unfilled():
+            grads = _backward(c, grad_out, out, lse, schedule, max_spin, cpu_backend,
+                              kernel_path)
+        return (*_grads_to_inputs(c, grads, q, k, v), None, None)
+
+
+def _eager_cuda(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> bool:
+    """Whether a call may skip the dispatcher: plain 4-D CUDA tensors without a mask, no tracing,
+    no mode or functorch transform that would want to see the op."""
+    return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and attn_mask is None
+            and q.is_cuda and q.dim() == 4 and q.dtype != torch.float64
+            and not torch.compiler.is_compiling()
+            and torch._C._len_torch_function_stack() == 0
+            and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._functorch.peek_interpreter_stack() is None)
+
+
 def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
-              window_size: tuple[int, int] = NO_WINDOW, schedule: str | None = None,
-              kernel: str | None = None) -> Tensor:
-    """Deterministic ``scaled_dot_product_attention`` (same signature, no dropout).
+              dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+              enable_gqa: bool = False, window_size: tuple[int, int] = NO_WINDOW,
+              schedule: str | None = None, kernel: str | None = None) -> Tensor:
+    """Deterministic ``torch.nn.functional.scaled_dot_product_attention``: SDPA's signature, its
+    positional order and its keyword-only ``scale`` and ``enable_gqa``; ``dropout_p`` must be 0.0.
 
     ``window_size=(left, right)``: a sliding window with FlashAttention's meaning, top-left
     aligned like ``is_causal`` (``window.py``); (-1, -1) is none. ``schedule`` and ``kernel``
     (None: ``dash_inductor.config``'s) and the rest of ``config.CHOICES`` are read now, so the
     backward runs what was in force at this call.
     """
+    check_not_nested(query, key, value)
+    check_sdpa_flags(is_causal, scale, enable_gqa, "dash.attention")
+    check_no_dropout(dropout_p)
     choices = config.choices(schedule=schedule, kernel=kernel)
     # Checked here too: the schema's own cast errors would not name the argument.
     window = check_window(window_size, "dash.attention")
-    return attention_op(query, key, value, attn_mask, is_causal, scale, enable_gqa, window,
-                        *choices.values())[0]
+    if _eager_cuda(query, key, value, attn_mask):
+        check_schedule_allowed(choices["schedule"])
+        c = canonicalize(query, key, value, None, is_causal, scale, enable_gqa, window)
+        return _EagerAttention.apply(query, key, value, c, tuple(choices.values()))[0]
+    return attention_op(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
+                        enable_gqa=enable_gqa, **op_options(choices, window))[0]
 
 
 def unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,

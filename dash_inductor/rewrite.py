@@ -33,8 +33,7 @@ from torch._inductor.pattern_matcher import (
 )
 
 from dash_inductor import config, library, rewrite_fused, sites
-from dash_inductor.library import unsupported_reason
-from dash_inductor.window import NO_WINDOW
+from dash_inductor.library import op_options, unsupported_reason
 from dash_inductor.rewrite_fused import fused_patterns
 from dash_inductor.sites import (DECIDED, SDPA_PARAMS, SiteReport, disabled_reason, example_value,
                                  explain_disabled, recorders, recording, report_site,
@@ -81,19 +80,22 @@ def _sdpa_reason(bound: dict[str, Any]) -> str | None:
     return unsupported_reason(**{name: example_value(bound[name]) for name in SDPA_PARAMS})
 
 
-def _op_args(bound: dict[str, Any], choices: dict[str, Any]) -> tuple[Any, ...]:
-    """The rewritten call's arguments: SDPA's, no window, then the choices baked in now (the
-    op's order)."""
-    return (bound["query"], bound["key"], bound["value"], bound["attn_mask"], bound["is_causal"],
-            bound["scale"], bound["enable_gqa"], NO_WINDOW, *choices.values())
+def _op_args(bound: dict[str, Any]) -> tuple[Any, ...]:
+    """The rewritten call's positional arguments: SDPA's, in SDPA's order."""
+    return bound["query"], bound["key"], bound["value"], bound["attn_mask"], 0.0, bound["is_causal"]
+
+
+def _op_kwargs(bound: dict[str, Any], choices: dict[str, Any]) -> dict[str, Any]:
+    """Its keyword-only arguments: SDPA's, then the choices baked in now."""
+    return dict(scale=bound["scale"], enable_gqa=bound["enable_gqa"], **op_options(choices))
 
 
 def _fake_outputs(bound: dict[str, Any], choices: dict[str, Any]) -> Any:
     """Run the op on the example values (fake mode), to give the new nodes their metadata."""
-    examples = [example_value(arg) for arg in _op_args(bound, choices)]
+    examples = [example_value(arg) for arg in _op_args(bound)]
     fake_mode = getattr(examples[0], "fake_mode", None)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        return torch.ops.dash.attention.default(*examples)
+        return torch.ops.dash.attention.default(*examples, **_op_kwargs(bound, choices))
 
 
 _pre_grad_patterns = PatternMatcherPass(pass_name="dash_inductor_sdpa")
@@ -125,7 +127,7 @@ def _rewrite_sdpa_call(match: Match, *args: Any, **kwargs: Any) -> None:
     graph = node.graph
     with graph.inserting_before(node):
         call = graph.call_function(
-            torch.ops.dash.attention.default, _op_args(bound, choices))
+            torch.ops.dash.attention.default, _op_args(bound), _op_kwargs(bound, choices))
         out = graph.call_function(operator.getitem, (call, 0))
     for new, value in ((call, fake), (out, fake[0])):
         new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})

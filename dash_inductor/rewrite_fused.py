@@ -17,9 +17,8 @@ from torch._inductor.pattern_matcher import MULTIPLE, CallFunctionVarArgs, Match
 from torch._inductor.pattern_matcher import register_graph_pattern
 
 from dash_inductor import config
-from dash_inductor.library import check_schedule_allowed, unsupported_reason
+from dash_inductor.library import check_schedule_allowed, op_options, unsupported_reason
 from dash_inductor.sites import DECIDED, SDPA_PARAMS, disabled_reason, example_value, report_site
-from dash_inductor.window import NO_WINDOW
 
 
 _aten = torch.ops.aten
@@ -64,9 +63,10 @@ def _fused_backwards(forward: torch.fx.Node) -> list[torch.fx.Node]:
     return list(readers)
 
 
-def _call(graph: torch.fx.Graph, target: Any, args: tuple[Any, ...], val: Any) -> torch.fx.Node:
+def _call(graph: torch.fx.Graph, target: Any, args: tuple[Any, ...], val: Any,
+          kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
     """A new call_function node with its fake value (the partitioner reads ``meta["val"]``)."""
-    node = graph.call_function(target, args)
+    node = graph.call_function(target, args, kwargs)
     node.meta["val"] = val
     return node
 
@@ -102,32 +102,37 @@ def _rewrite_fused_attention(match: Match, *args: Any, **kwargs: Any) -> None:
     tensors = [bound["query"], bound["key"], bound["value"], bound["attn_mask"]]
     vals = [example_value(t) for t in tensors]
     choices = config.choices()
-    flags = (bool(bound["is_causal"]), bound["scale"], False, NO_WINDOW, *choices.values())
+    flags = (bool(bound["is_causal"]), bound["scale"], False)
+    options = op_options(choices)
+    sdpa_options = dict(scale=bound["scale"], enable_gqa=False, **options)
     reason = disabled_reason()
     if reason is None:
         try:  # decide and compute every fake value before touching the graph
             reason = _joint_reason(bound, backwards)
             if reason is None:
                 with vals[0].fake_mode:
-                    out_val, lse_val = torch.ops.dash.attention.default(*vals, *flags)
+                    out_val, lse_val = torch.ops.dash.attention.default(*vals, 0.0, flags[0],
+                                                                        **sdpa_options)
                     grad_vals = [torch.ops.dash.attention_backward.default(
-                        example_value(b.args[0]), *vals[:3], out_val, lse_val, vals[3], *flags)
-                        for b in backwards]
+                        example_value(b.args[0]), *vals[:3], out_val, lse_val, vals[3], *flags,
+                        **options) for b in backwards]
         except Exception as error:  # never break the user's compile: keep SDPA and say why
             reason = f"dash.attention rejected the example inputs: {error}"
     report_site(forward, "joint", reason, choices)
     if reason is not None:
         return
-    check_schedule_allowed(vals[0], choices["schedule"], choices["cpu_backend"])
+    check_schedule_allowed(choices["schedule"])
     graph = forward.graph
     with graph.inserting_before(forward):
-        call = _call(graph, torch.ops.dash.attention.default, (*tensors, *flags), (out_val, lse_val))
+        call = _call(graph, torch.ops.dash.attention.default, (*tensors, 0.0, flags[0]),
+                     (out_val, lse_val), sdpa_options)
         out = _call(graph, operator.getitem, (call, 0), out_val)
         lse = _call(graph, operator.getitem, (call, 1), lse_val)
     for backward, grad_val in zip(backwards, grad_vals):
         with graph.inserting_before(backward):
             grads = _call(graph, torch.ops.dash.attention_backward.default,
-                          (backward.args[0], *tensors[:3], out, lse, tensors[3], *flags), grad_val)
+                          (backward.args[0], *tensors[:3], out, lse, tensors[3], *flags), grad_val,
+                          options)
             for index in range(3):
                 if (old := _output(backward, index)) is not None:
                     old.replace_all_uses_with(

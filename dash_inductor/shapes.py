@@ -45,22 +45,78 @@ class Canonical:
         """Drop the batch dim that 3-D inputs were given."""
         return t.squeeze(0) if self.three_d else t
 
+    def form(self) -> Form:
+        """What this canonical form decided, without its tensors (no mask)."""
+        return Form(self.q.shape, self.k.shape, self.v.shape, self.is_causal, self.scale,
+                    self.three_d, self.window)
+
     def reduce_grad(self, grad4: Tensor, original: Tensor) -> Tensor:
         """Sum a gradient of an expanded 4-D view back to the caller's tensor shape, in a fixed order."""
         grad = self.squeeze(grad4)
         return grad if grad.shape == original.shape else grad.sum_to_size(original.shape)
 
 
+@dataclass(frozen=True)
+class Form:
+    """A :class:`Canonical` without tensors: binds the caller's tensors of the same shapes (the
+    saved inputs of a backward) without validating them again."""
+
+    q_shape: torch.Size
+    k_shape: torch.Size
+    v_shape: torch.Size
+    is_causal: bool
+    scale: float
+    three_d: bool
+    window: Window
+
+    def bind(self, q: Tensor, k: Tensor, v: Tensor) -> Canonical:
+        q4, k4, v4 = (t.unsqueeze(0) if self.three_d else t for t in (q, k, v))
+        return Canonical(_expand(q4, self.q_shape), _expand(k4, self.k_shape),
+                         _expand(v4, self.v_shape), None, self.is_causal, self.scale,
+                         self.three_d, self.window)
+
+
+def _expand(t: Tensor, shape: torch.Size) -> Tensor:
+    """``t`` broadcast to ``shape``: itself where nothing broadcasts (a view costs host time)."""
+    return t if t.shape == shape else t.expand(shape)
+
+
 def _fail(message: str) -> None:
     raise ValueError(f"dash.attention: {message}")
 
 
+def check_not_nested(query: object, key: object, value: object,
+                     where: str = "dash.attention") -> None:
+    """A ValueError naming the first of query, key and value that is a nested tensor.
+
+    The public entries call it before the op: the dispatcher rejects a nested tensor (jagged or
+    strided layout) with a bare ``NotImplementedError`` before the op's own checks could run.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if isinstance(t, Tensor) and t.is_nested:
+            raise ValueError(
+                f"{where}: {name} is a nested tensor (layout {t.layout}); nested tensors are not "
+                f"supported. For sequences of different lengths, pack them into one "
+                f"(total_tokens, heads, head_dim) tensor and call dash_inductor.varlen_attention")
+
+
+def check_sdpa_flags(is_causal: object, scale: object, enable_gqa: object, where: str) -> None:
+    """SDPA's scalar arguments by type, as SDPA checks them: a float in ``is_causal`` is most
+    likely ``dropout_p`` passed in SDPA's order to a signature without it."""
+    for name, value in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: {name} must be a bool, got {value!r} (the arguments follow "
+                             f"scaled_dot_product_attention's order: query, key, value, "
+                             f"attn_mask, dropout_p, is_causal, scale, enable_gqa)")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ValueError(f"{where}: scale must be a float or None (1/sqrt(E)), got {scale!r}")
+
+
 def _check_tensors(q: Tensor, k: Tensor, v: Tensor) -> None:
+    check_not_nested(q, k, v)
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, Tensor):
             _fail(f"{name} must be a Tensor, got {type(t).__name__}")
-        if t.is_nested:
-            _fail(f"{name} is a nested tensor; nested (jagged) inputs are not supported")
         if t.dim() not in (3, 4):
             _fail(f"{name} must be 3-D (H, L, E) or 4-D (B, H, L, E), got {t.dim()}-D shape "
                   f"{tuple(t.shape)}")
@@ -124,10 +180,37 @@ def _check_mask(mask: Tensor, q: Tensor, target: tuple[int, ...], is_causal: boo
               f"{target} ((B, H, L, S), or (H, L, S) for 3-D inputs)")
 
 
+#: Forms of unmasked calls already validated, by everything the validation reads.
+_FORMS: dict[tuple, Form] = {}
+
+
 def canonicalize(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                  is_causal: bool = False, scale: float | None = None,
                  enable_gqa: bool = False, window_size: Sequence[int] = NO_WINDOW) -> Canonical:
-    """Validate SDPA-style arguments and bring them to the kernels' 4-D form (views, no copies)."""
+    """Validate SDPA-style arguments and bring them to the kernels' 4-D form (views, no copies).
+
+    An unmasked call whose shapes, dtypes, devices and flags were validated before is only bound
+    (a step calls each layer's shapes again and again); symbolic shapes are always validated."""
+    key = None
+    if attn_mask is None and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor:
+        try:
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+                   v.device, q.is_nested, is_causal, scale, enable_gqa, tuple(window_size))
+            form = _FORMS.get(key)
+        except (TypeError, RuntimeError):  # symbolic sizes do not hash; nested ones raise
+            key = form = None
+        if form is not None:
+            return form.bind(q, k, v)
+    c = _canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
+    if key is not None:
+        if len(_FORMS) >= 1024:
+            _FORMS.clear()
+        _FORMS[key] = c.form()
+    return c
+
+
+def _canonicalize(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                  scale: float | None, enable_gqa: bool, window_size: Sequence[int]) -> Canonical:
     _check_tensors(q, k, v)
     window, causal = with_causal(check_window(window_size, "dash.attention"), bool(is_causal))
     three_d = q.dim() == 3
@@ -141,10 +224,10 @@ def canonicalize(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = Non
     if scale is not None and not math.isfinite(scale):
         _fail(f"scale must be a finite float or None (1/sqrt(E)), got {scale}")
     return Canonical(
-        q=q4.expand(batch, heads, l, q4.shape[3]),
-        k=k4.expand(batch, kv_heads, s, k4.shape[3]),
-        v=v4.expand(batch, kv_heads, s, v4.shape[3]),
-        mask=None if attn_mask is None else attn_mask.expand(target),
+        q=_expand(q4, torch.Size((batch, heads, l, q4.shape[3]))),
+        k=_expand(k4, torch.Size((batch, kv_heads, s, k4.shape[3]))),
+        v=_expand(v4, torch.Size((batch, kv_heads, s, v4.shape[3]))),
+        mask=None if attn_mask is None else _expand(attn_mask, torch.Size(target)),
         is_causal=causal,
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         three_d=three_d,

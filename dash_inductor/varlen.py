@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from . import config, packing, reference, reference_varlen
-from .library import (_MAX_SPIN, _check_choices, _ops, _record, _uses_triton, check_schedule_allowed,
-                      forbid_double_backward)
-from .ops.dispatch import HOPPER
-from .shapes import unfilled
+from .library import (_MAX_SPIN, check_schedule_allowed, forbid_double_backward, record,
+                      uses_triton)
+from .ops import dispatch
+from .shapes import check_not_nested, unfilled
 from .window import NO_WINDOW, Window, check_window, with_causal
 
 try:
@@ -70,32 +70,16 @@ def varlen_attention_op(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Ten
 def _varlen_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
                  enable_gqa, schedule="auto", max_spin=_MAX_SPIN, cpu_backend="reference",
                  kernel_path="auto"):
-    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
+    config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
     packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
                          enable_gqa)
     return _forward_outputs(query, value)
 
 
-def _packed():
-    """The packed-sequence launchers, imported on first use as ``library._ops``."""
-    from .ops import packed
-
-    return packed
-
-
-#: Whether CUDA runs the packed one-launch kernels (``ops/packed.py``: the offsets stay on the
-#: device, no host synchronisation). Off: CUDA launches the dense kernels once per sequence, reading
-#: the offsets on the host. The packed kernels' first H100 run hit an illegal memory access (a
-#: program with no work released a ticket at the base of an empty ticket array); fixed in
-#: ``ops/tickets.release_last``, and on since tests/gpu/test_varlen_gpu.py passed on both paths.
-PACKED_ON_CUDA = True
-
-
 def _per_sequence(query: Tensor, kernel_path: str) -> bool:
-    """Whether the Triton path launches per sequence: on the Hopper path (its forward takes no
-    offsets), and on CUDA while the packed kernels are held back (``PACKED_ON_CUDA``). The CPU
-    interpreter runs the packed kernels."""
-    return kernel_path == HOPPER or (query.device.type == "cuda" and not PACKED_ON_CUDA)
+    """Whether the Triton path launches per sequence, reading the offsets on the host: only where
+    the Hopper path is named (its forward takes no offsets); ``auto`` runs the packed kernels."""
+    return kernel_path == dispatch.HOPPER
 
 
 def _segments(query: Tensor, key: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int,
@@ -103,7 +87,7 @@ def _segments(query: Tensor, key: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, ma
     """The sequences, read on the host, for the paths that need them (the reference and the
     per-sequence Hopper launches), and for CPU offsets, where reading them is free and makes a
     breach of their contract an error now; None on the CUDA hot path, which checks on the device."""
-    if (query.device.type == "cpu" or not _uses_triton(query, cpu_backend)
+    if (query.device.type == "cpu" or not uses_triton(query, cpu_backend)
             or _per_sequence(query, kernel_path)):
         return packing.sequences(query, key, cu_seq_q, cu_seq_k, max_q, max_k)
     return None
@@ -122,7 +106,7 @@ def _per_sequence_forward(query: Tensor, key: Tensor, value: Tensor, segments, s
             continue
         mask, seq_window, causal = packing.kernel_window(seg, window, query.shape[1], query.device)
         lse_seq = torch.empty((1, query.shape[1], lq), dtype=torch.float32, device=query.device)
-        _record(_ops().attention_forward(
+        record(dispatch.attention_forward(
             packing.view(query, seg.q0, seg.q1), packing.view(key, seg.k0, seg.k1),
             packing.view(value, seg.k0, seg.k1), mask, packing.view(out, seg.q0, seg.q1),
             lse_seq, is_causal=causal, scale=scale, kernel=kernel_path, window=seq_window))
@@ -133,12 +117,12 @@ def _per_sequence_forward(query: Tensor, key: Tensor, value: Tensor, segments, s
 def _varlen_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
                    enable_gqa, schedule="auto", max_spin=_MAX_SPIN, cpu_backend="reference",
                    kernel_path="auto"):
-    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
+    config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
     window = packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
                                   window_size, enable_gqa)
     segments = _segments(query, key, cu_seq_q, cu_seq_k, max_q, max_k, cpu_backend, kernel_path)
     out, lse = _forward_outputs(query, value)
-    if not _uses_triton(query, cpu_backend):
+    if not uses_triton(query, cpu_backend):
         reference_varlen.forward(query, key, value, segments, _scale(query, scale), window, out,
                                  lse)
     elif _per_sequence(query, kernel_path):
@@ -146,7 +130,7 @@ def _varlen_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, w
                               kernel_path)
     else:
         kernel_window, causal = with_causal(window, False)
-        _record(_packed().varlen_forward(
+        record(dispatch.varlen_forward(
             query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, out, lse, is_causal=causal,
             scale=_scale(query, scale), window=kernel_window, kernel=kernel_path))
     return out, lse
@@ -171,7 +155,7 @@ def varlen_attention_backward_op(grad_out: Tensor, query: Tensor, key: Tensor, v
 def _varlen_backward_fake(grad_out, query, key, value, out, logsumexp, cu_seq_q, cu_seq_k, max_q,
                           max_k, scale, window_size, enable_gqa, schedule="auto",
                           max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
-    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
+    config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
     packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
                          enable_gqa)
     return tuple(torch.empty_like(t) for t in (query, key, value))
@@ -186,7 +170,7 @@ def _per_sequence_backward(grad_out, query, key, value, out, lse, segments, scal
         mask, seq_window, causal = packing.kernel_window(seg, window, query.shape[1], query.device)
         rows, cols = (seg.q0, seg.q1), (seg.k0, seg.k1)
         dq, dk, dv = (packing.view(g, *r) for g, r in zip(grads, (rows, cols, cols)))
-        _record(_ops().attention_backward(
+        record(dispatch.attention_backward(
             packing.view(grad_out, *rows), packing.view(query, *rows), packing.view(key, *cols),
             packing.view(value, *cols), packing.view(out, *rows),
             lse[None, :, seg.q0:seg.q1].contiguous(), mask, dq, dk, dv, is_causal=causal,
@@ -199,7 +183,7 @@ def _per_sequence_backward(grad_out, query, key, value, out, lse, segments, scal
 def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_q, cu_seq_k, max_q,
                             max_k, scale, window_size, enable_gqa, schedule="auto",
                             max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
-    _check_choices(schedule, max_spin, cpu_backend, kernel_path)
+    config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
     window = packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
                                   window_size, enable_gqa)
     segments = _segments(query, key, cu_seq_q, cu_seq_k, max_q, max_k, cpu_backend, kernel_path)
@@ -207,7 +191,7 @@ def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_
     # the leaves' strides: a (T, H, D) view of (H, T, D) memory gets (H, T, D) gradients. The
     # packed kernels write every element (keys without queries included); the per-sequence
     # launches and the reference leave such keys alone.
-    kernels = _uses_triton(query, cpu_backend)
+    kernels = uses_triton(query, cpu_backend)
     per_sequence = kernels and _per_sequence(query, kernel_path)
     allocate = torch.empty_like if kernels and not per_sequence else torch.zeros_like
     grads = tuple(allocate(t) for t in (query, key, value))
@@ -220,7 +204,7 @@ def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_
                                kernel_path)
     else:
         kernel_window, causal = with_causal(window, False)
-        _record(_packed().varlen_backward(
+        record(dispatch.varlen_backward(
             grad_out, query, key, value, out, logsumexp, cu_seq_q, cu_seq_k, max_q, max_k,
             *grads, is_causal=causal, scale=_scale(query, scale), schedule=schedule,
             max_spin=max_spin, kernel=kernel_path, window=kernel_window))
@@ -230,7 +214,7 @@ def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_
 def _setup_context(ctx, inputs, output) -> None:
     query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, \
         *choices = inputs
-    check_schedule_allowed(query, choices[0], choices[2])
+    check_schedule_allowed(choices[0])
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(query, key, value, out, lse, cu_seq_q, cu_seq_k)
@@ -271,6 +255,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor
     """
     choices = config.choices()
     # Checked here too: the schema's own cast errors would not name the argument.
+    check_not_nested(query, key, value, where=packing.WHERE)
     window = check_window(window_size, packing.WHERE)
     for name, cu in (("cu_seq_q", cu_seq_q), ("cu_seq_k", cu_seq_k)):
         if not isinstance(cu, Tensor):

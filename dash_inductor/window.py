@@ -17,10 +17,13 @@ from torch import Tensor
 
 Window = tuple[int, int]
 NO_WINDOW: Window = (-1, -1)
+#: The largest side the ops' ``int[2] window_size`` (int64) holds.
+MAX_SIDE = 2**63 - 1
 
 
 def check_window(window_size: Sequence[int], where: str) -> Window:
-    """``window_size`` as a (left, right) tuple of ints >= -1, or a ValueError naming it."""
+    """``window_size`` as a (left, right) tuple of ints in [-1, ``MAX_SIDE``], or a ValueError
+    naming it."""
     if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence) \
             or len(window_size) != 2:
         raise ValueError(f"{where}: window_size must be a pair (left, right), got {window_size!r}")
@@ -28,9 +31,9 @@ def check_window(window_size: Sequence[int], where: str) -> Window:
     for name, value in (("left", left), ("right", right)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{where}: window_size {name} must be an int, got {value!r}")
-        if value < -1:
-            raise ValueError(f"{where}: window_size values must be >= -1 (-1 = no limit on that "
-                             f"side), got window_size={tuple(window_size)}")
+        if not -1 <= value <= MAX_SIDE:
+            raise ValueError(f"{where}: window_size values must be >= -1 and <= 2**63 - 1 (int64; "
+                             f"-1 = no limit on that side), got window_size={tuple(window_size)}")
     return int(left), int(right)
 
 

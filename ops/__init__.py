@@ -1,4 +1,4 @@
-"""Triton kernels of dash_inductor and their launchers (imported as ``dash_inductor.ops``).
+"""Triton kernels of dash_inductor, their dispatcher and launchers (imported as ``dash_inductor.ops``).
 
 This layer knows Triton and tensors only: no torch.library, no autograd. The caller
 (``dash_inductor/library.py``) validates and canonicalises the inputs and allocates the outputs:
@@ -13,8 +13,9 @@ This layer knows Triton and tensors only: no torch.library, no autograd. The cal
   never loaded.
 - ``lse``: natural-log logsumexp, fp32 (B, Hq, L); -inf on rows that see no key.
 
-The launchers are imported on first use, so that ``dash_inductor.ops.catalog`` (the schedules'
-definition, plain Python) loads without Triton.
+Every entry goes through the dispatcher (``dispatch.py``), which plans once per call signature;
+``cache_info()`` and ``cache_clear()`` inspect and reset its cache. Imported on first use, so that
+``dash_inductor.ops.catalog`` (the schedules' definition, plain Python) loads without Triton.
 """
 
 from __future__ import annotations
@@ -23,16 +24,14 @@ from typing import Any
 
 from .plan import Plan
 
-__all__ = ["Plan", "attention_forward", "attention_backward"]
+_DISPATCHED = ("attention_forward", "attention_backward", "varlen_forward", "varlen_backward",
+               "cache_info", "cache_clear")
+__all__ = ["Plan", *_DISPATCHED]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "attention_forward":
-        from .forward import attention_forward
+    if name in _DISPATCHED:
+        from . import dispatch
 
-        return attention_forward
-    if name == "attention_backward":
-        from .backward import attention_backward
-
-        return attention_backward
+        return getattr(dispatch, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,13 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import catalog
 from . import schedules as sch
 from .catalog import Schedule
-from .configs import arch_key, auto_schedule, backward_config, head_dim_bucket
-from .dispatch import HOPPER, select_kernel
+from .configs import BackwardConfig, head_dim_bucket
 from .launch import (coresident_programs, cooperative_launch_supported, dot_precision, interpreting,
-                     mask_kind, warn_once, watch_spin_flag)
+                     mask_kind, watch_spin_flag)
 from .plan import Plan
 from .tickets import add_in_turn, release_last
 from .dq_convert import convert_dq
@@ -213,183 +211,88 @@ def _backward_main_kernel(
         release_last(held, held_amount, ORDERED_WAITS)
 
 
-def resolve_schedule(schedule: str, head_dim: int, dtype: torch.dtype, causal: bool, n_kv: int,
-                     arch: int | str) -> Schedule:
-    """The schedule ``schedule`` names; ``auto`` resolved by the static rule of ``configs``."""
-    if schedule == catalog.AUTO:
-        return catalog.get(auto_schedule(head_dim, dtype, causal, n_kv, arch))
-    if schedule not in catalog.SCHEDULES:
-        raise ValueError(f"schedule must be {catalog.AUTO!r} or one of {list(catalog.NAMES)}, "
-                         f"got {schedule!r}")
-    return catalog.get(schedule)
-
-
-def choose_path(kernel: str, schedule: str, requested: Schedule, q: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-                window: tuple[int, int], packed: bool = False) -> tuple[str, str | None, Schedule]:
-    """(kernel path, why "auto" did not take the Hopper one, the schedule to run there):
-    ``schedule="auto"`` is the Hopper path's own auto schedule (``auto_on_hopper``) where that
-    path takes the inputs, else ``requested``
-    (the portable rule's), run where ``select_kernel`` says."""
-    if schedule == catalog.AUTO and kernel != "portable":
-        from .hopper.config import auto_on_hopper
-
-        on_hopper = auto_on_hopper(is_causal, packed, q.shape[-1], tuple(window) != (-1, -1))
-        path, reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal, on_hopper,
-                                     window)
-        if path == HOPPER:
-            return path, reason, catalog.get(on_hopper)
-        if on_hopper == requested.name:  # asking again would give the same answer
-            return path, reason, requested
-    path, reason = select_kernel(kernel, "backward", q, k, v, mask, is_causal, requested.name,
-                                 window)
-    return path, reason, requested
-
-
-def window_fallback(schedule: Schedule, causal: bool,
-                    window: tuple[int, int]) -> tuple[Schedule, str | None]:
-    """The schedule that runs under ``window``, and why it is not the one asked: ``shift`` has no
-    windowed ranks and falls back to the ordered schedule that runs on any grid."""
-    if tuple(window) == (-1, -1) or schedule.name != "shift":
-        return schedule, None
-    fitted = catalog.get(catalog.fallback(causal))
-    return fitted, (f"schedule 'shift' has no sliding-window ranks; using {fitted.name!r} "
-                    f"(ordered, window-aware) instead")
-
-
-def fit_schedule(schedule: Schedule, causal: bool, n_kv: int, capacity: int,
-                  shape: str) -> tuple[Schedule, str | None]:
-    """The schedule that fits ``capacity`` co-resident programs, and why it is not the one asked."""
-    needed = schedule.items_per_head(n_kv, causal)
-    if not schedule.coresident_head or needed <= capacity:
-        return schedule, None
-    fallback = catalog.get(catalog.fallback(causal))
-    reason = (f"schedule {schedule.name!r} needs {needed} co-resident programs per head for "
-              f"{shape}, the GPU holds {capacity}; using {fallback.name!r} instead")
-    warn_once(f"dash attention backward: {reason}")
-    return fallback, reason
-
-
-def _schedule_launch(schedule: Schedule, causal: bool, n_kv: int, heads: int,
-                     waits: bool) -> tuple[tuple[int, int], dict]:
-    """The main kernel's schedule-dependent arguments: (items per head, items), and constexprs."""
-    per_head = schedule.items_per_head(n_kv, causal)
-    kwargs = dict(SCHEDULE=schedule.id, NUM_SLOTS=schedule.slots(causal), ORDERED=schedule.ordered,
-                  COMPUTE_DQ=not schedule.separate_dq, ORDERED_WAITS=waits)
+def main_constexprs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    cfg: BackwardConfig, schedule: Schedule, *, is_causal: bool,
+                    window: tuple[int, int], packed: bool) -> dict[str, object]:
+    """The main kernel's compile-time arguments (and launch options) for (B, H, L, D) views."""
+    e, ev = q.shape[3], v.shape[3]
+    waits = schedule.ordered and not interpreting()
+    constexprs = dict(
+        GROUP=q.shape[1] // k.shape[1], E=e, EV=ev, HEAD_E=head_dim_bucket(e),
+        HEAD_EV=head_dim_bucket(ev), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=is_causal,
+        MASK_KIND=mask_kind(mask), EVEN_L=not packed and q.shape[2] % cfg.block_n == 0,
+        EVEN_S=not packed and k.shape[2] % cfg.block_n == 0,
+        WINDOW=tuple(window) != (-1, -1), VARLEN=packed, PRECISION=dot_precision(q.dtype),
+        SCHEDULE=schedule.id, NUM_SLOTS=schedule.slots(is_causal), ORDERED=schedule.ordered,
+        COMPUTE_DQ=not schedule.separate_dq, ORDERED_WAITS=waits, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if waits and cooperative_launch_supported():
-        kwargs["launch_cooperative_grid"] = True
-    return (per_head, heads * per_head), kwargs
+        constexprs["launch_cooperative_grid"] = True
+    return constexprs
 
 
-def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None,
-                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, is_causal: bool,
-                       scale: float, schedule: str = "auto", max_spin: int = 1 << 26,
-                       kernel: str = "auto", config=None,
-                       window: tuple[int, int] = (-1, -1)) -> Plan:
-    """Write the gradients of attention into ``dq``, ``dk``, ``dv``; return what ran.
-
-    ``lse`` is the forward's contiguous fp32 (B, Hq, L) logsumexp. ``kernel`` picks the kernel path
-    (``ops/dispatch.py``). ``config`` overrides the table's :class:`~.configs.BackwardConfig`
-    (tests and tuning only). ``window`` as in ``attention_forward``.
-    """
-    window = tuple(window)
-    batch, hq, seq_q, e = q.shape
-    seq_k, ev = k.shape[2], v.shape[3]
-    arch = arch_key(q.device)
-    cfg = config or backward_config(max(e, ev), q.dtype, is_causal, arch)
-    if cfg.block_n % cfg.block_m:
-        raise ValueError(f"backward config needs block_m dividing block_n, got {cfg}")
-    n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
-    shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
-    requested = resolve_schedule(schedule, max(e, ev), q.dtype, is_causal, n_kv, arch)
-    path, kernel_reason, requested = choose_path(kernel, schedule, requested, q, k, v, mask,
-                                                 is_causal, window)
-    if path == HOPPER:
-        from .hopper.launch import attention_backward as hopper_backward
-
-        return hopper_backward(grad_out, q, k, v, out, lse, dq, dk, dv, is_causal=is_causal,
-                               scale=scale, schedule=requested, max_spin=max_spin,
-                               schedule_requested=schedule, kernel_reason=kernel_reason,
-                               window=window)
-    # A fallback keeps dQ in the main kernel and ordered (catalog.fallback), so the buffers of the
-    # requested schedule serve the one that runs.
-    delta, dq_acc, tickets, flags = prepare(
-        out, grad_out, lse, row_stride=seq_q, acc_rows=n_q * cfg.block_n,
-        acc_dim=0 if requested.separate_dq else head_dim_bucket(e), ticket_rows=cfg.block_m,
-        with_lse2=False)
-    fitted, fallback, grid, error_flag = launch_main(
-        (q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets, flags), None,
-        (seq_q, seq_k, n_q, n_kv), cfg, requested, is_causal=is_causal, window=window, scale=scale,
-        max_spin=max_spin, shape=shape)
-    if is_causal and seq_k > n_q * cfg.block_n:
-        dk[:, :, n_q * cfg.block_n:].zero_()
-        dv[:, :, n_q * cfg.block_n:].zero_()
-    if fitted.separate_dq:
-        launch_dq_pass(q, k, v, grad_out, lse, delta, mask, dq, is_causal=is_causal, scale=scale,
-                       cfg=cfg, window=window)
-    else:
-        convert_dq(dq_acc.view(batch * hq, n_q * cfg.block_n, -1), dq)
-    if error_flag is not None:
-        watch_spin_flag(error_flag, f"{shape}, schedule {fitted.name!r}")
-    return Plan("backward", path, kernel_reason, schedule, fitted.name, fallback, grid, cfg)
-
-
-def launch_main(tensors: tuple, packed: tuple | None, sizes: tuple[int, int, int, int], cfg,
-                requested: Schedule, *, is_causal: bool, window: tuple[int, int], scale: float,
-                max_spin: int, shape: str
-                ) -> tuple[Schedule, str | None, tuple[int], torch.Tensor | None]:
-    """Launch the main kernel with the schedule that can run; return it, why it is not the one
-    requested, the grid, and the spin-error flag to watch (None where nothing waits).
-
-    ``tensors`` = (q, k, v, grad_out, lse, delta, mask, dk, dv, dq accumulator or None, tickets,
-    flags) as (B, H, L, D) views, the tickets and the two flags (spin error, work counter) zeros;
-    ``sizes`` = (L, S, Q tiles, KV tiles) per (batch, head). ``packed`` =
-    (cu_seq_q, cu_seq_k, max_q, max_k) makes it the VARLEN kernel: B sequences over the packed
-    tensors (batch stride 0), L and S the packed totals, the tiles those of the longest sequence.
-    """
+def _main_args(tensors: tuple, packed: tuple | None, sizes: tuple[int, ...],
+               window: tuple[int, int], scale: float, max_spin: int) -> tuple:
+    """The main kernel's positional arguments. ``tensors`` = (q, k, v, grad_out, lse, delta, mask,
+    dk, dv, dq accumulator or None, tickets, flags) as (B, H, L, D) views; ``sizes`` = (L, S,
+    Q tiles, KV tiles, items per head, items)."""
     q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets, flags = tensors
-    seq_q, seq_k, n_q, n_kv = sizes
-    batch, hq, _, e = q.shape
-    hkv, ev = k.shape[1], v.shape[3]
-    device = q.device
-    windowed = window != (-1, -1)
     mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
     cu_q, cu_k, max_q, max_k = packed or (tickets, tickets, 0, 0)
-    waits = requested.ordered and not interpreting()
-    error_flag, work_counter = flags[:1], flags[1:]
-    args = (q, k, v, grad_out, lse, delta, mask_t, dk, dv,
-            dq_acc if dq_acc is not None else delta, tickets, error_flag, work_counter, cu_q, cu_k,
+    return (q, k, v, grad_out, lse, delta, mask_t, dk, dv,
+            dq_acc if dq_acc is not None else delta, tickets, flags[:1], flags[1:], cu_q, cu_k,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides,
-            *dk.stride(), *dv.stride(),
-            hq, hkv, seq_q, seq_k, n_q, n_kv, max_q, max_k, scale * LOG2E, scale, max_spin,
-            *window)
-    kwargs = dict(GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e),
-                  HEAD_EV=head_dim_bucket(ev), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  CAUSAL=is_causal, MASK_KIND=mask_kind(mask),
-                  EVEN_L=packed is None and seq_q % cfg.block_n == 0,
-                  EVEN_S=packed is None and seq_k % cfg.block_n == 0, WINDOW=windowed,
-                  VARLEN=packed is not None,
-                  PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
+            *dk.stride(), *dv.stride(), q.shape[1], k.shape[1], *sizes[:4], max_q, max_k,
+            scale * LOG2E, scale, max_spin, *window, *sizes[4:])
 
-    def capacity(s: Schedule) -> int:
-        items, constexprs = _schedule_launch(s, is_causal, n_kv, batch * hkv, waits)
-        return coresident_programs(_backward_main_kernel, (*args, *items), {**kwargs, **constexprs},
-                                   device)
 
-    fitted, fallback = window_fallback(requested, is_causal, window)
-    if fallback is None and requested.coresident_head and not interpreting():
-        fitted, fallback = fit_schedule(requested, is_causal, n_kv, capacity(requested), shape)
-    items, constexprs = _schedule_launch(fitted, is_causal, n_kv, batch * hkv, waits)
-    if not interpreting():
-        programs = min(items[1], capacity(fitted))
-    elif packed is None:
-        programs = min(items[1], 3)
+def capacity(constexprs: dict[str, object], views: tuple, packed: tuple | None,
+             sizes: tuple[int, ...], window: tuple[int, int], max_spin: int) -> int:
+    """How many programs of the main kernel compiled with ``constexprs`` for these (B, H, L, D)
+    ``views`` = (q, k, v, grad_out, lse, mask, dk, dv) can run at once (compiles it once)."""
+    q, k, v, grad_out, lse, mask, dk, dv = views
+    scratch = torch.empty((16,), device=q.device, dtype=torch.float32)
+    counters = torch.empty((16,), device=q.device, dtype=torch.int32)
+    tensors = (q, k, v, grad_out, lse, scratch, mask, dk, dv, scratch, counters, counters)
+    return coresident_programs(_backward_main_kernel,
+                               _main_args(tensors, packed, sizes, window, 1.0, max_spin),
+                               constexprs, q.device)
+
+
+def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 mask: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                 scale: float, max_spin: int) -> None:
+    """Write the gradients of attention into ``dq``, ``dk``, ``dv`` as ``plan`` says; ``lse`` is
+    the forward's contiguous fp32 (B, Hq, L) logsumexp."""
+    cfg, spec, schedule = plan.config, plan.spec, plan.schedule
+    batch, hq, seq_q, e = q.shape
+    n_q = spec["sizes"][2]
+    delta, dq_acc, tickets, flags = prepare(
+        out, grad_out, lse, row_stride=seq_q, acc_rows=n_q * cfg.block_n,
+        acc_dim=0 if schedule.separate_dq else head_dim_bucket(e), ticket_rows=cfg.block_m,
+        with_lse2=False, launches=plan.launches)
+    launch_main(plan, (q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets, flags),
+                None, scale, max_spin)
+    if spec["zero_tail"]:  # keys after the last query tile: no causal query sees them
+        dk[:, :, n_q * cfg.block_n:].zero_()
+        dv[:, :, n_q * cfg.block_n:].zero_()
+    if schedule.separate_dq:
+        launch_dq_pass(plan.launches, q, k, v, grad_out, lse, delta, mask, dq, is_causal=spec["causal"],
+                       scale=scale, cfg=cfg, window=spec["window"])
     else:
-        # The interpreter runs programs one after another: one program per item of a head adds
-        # each sequence's dQ in the order of its items, wherever the packing puts the sequence.
-        programs = items[0]
+        convert_dq(plan.launches, dq_acc.view(batch * hq, n_q * cfg.block_n, -1), dq)
+    if schedule.ordered and not interpreting():
+        watch_spin_flag(flags[:1], f"{spec['shape']}, schedule {schedule.name!r}")
 
-    _backward_main_kernel[(programs,)](*args, *items, **kwargs, **constexprs)
-    return fitted, fallback, (programs,), error_flag if waits else None
+
+def launch_main(plan: Plan, tensors: tuple, packed: tuple | None, scale: float,
+                max_spin: int) -> None:
+    """Launch the main kernel on ``tensors`` (see :func:`_main_args`); ``packed`` =
+    (cu_seq_q, cu_seq_k, max_q, max_k) for the VARLEN kernel: B sequences over the packed
+    tensors (batch stride 0), L and S the packed totals, the tiles those of the longest
+    sequence."""
+    spec = plan.spec
+    plan.launches("main", _backward_main_kernel, plan.grid,
+                  _main_args(tensors, packed, spec["sizes"], spec["window"], scale, max_spin),
+                  spec["constexprs"])

@@ -130,14 +130,7 @@ def backward_config(head_dim: int, dtype: torch.dtype, causal: bool, arch: int |
     return _BACKWARD.get((arch, bucket, wide, causal), _default_backward(bucket, wide))
 
 
-def auto_schedule(head_dim: int, dtype: torch.dtype, causal: bool, n_kv: int,
-                  arch: int | str = 9) -> str:
-    """The deterministic schedule ``"auto"`` resolves to (a static rule from measurements).
-
-    Today the rule does not depend on its arguments: on the H200 (docs/kernels-notes.md and
-    docs/benchmarks.md, bf16) the separate dQ pass (``recompute``) is the fastest deterministic
-    schedule at every measured point since its dQ kernel keeps queries along dim 0 (d128, N = 4k:
-    400 TFLOP/s full and 342 causal, against ``shift`` at 273 and 252). It also needs no
-    co-resident programs. The arguments stay so that a measured exception has a place to go.
-    """
-    return "recompute"
+#: What ``schedule="auto"`` runs on the portable kernels: the separate dQ pass, which needs no
+#: co-resident programs and measured the fastest deterministic schedule there at every point
+#: (H200, bf16, d128, N = 4k: 400 TFLOP/s full and 342 causal, against ``shift``'s 273 and 252).
+PORTABLE_AUTO = "recompute"

@@ -1,23 +1,96 @@
-"""Which kernel path runs a launch: the one place that chooses between kernel families.
+"""The dispatcher: every host decision of an attention launch, made once per call signature.
 
-``kernel`` is the caller's choice (``dash_inductor.config.kernel``, captured when the forward runs):
-"portable" is the ``tl`` kernels of ``ops/``; "hopper" the sm90 Gluon family of ``ops/hopper/``,
-refused with the reason when it cannot take the inputs; "auto" takes the
-Hopper kernels where they measured faster than the portable ones (``hopper.config``:
-``FORWARD_MIN_SEQ`` for the forward, ``FASTER_ON_HOPPER`` for the backward schedules;
-docs/kernels-notes.md, docs/benchmarks.md) and the portable kernels everywhere else, and says why.
+A call's signature is what the decisions depend on: the op, the device and its architecture,
+dtype, shapes, strides and 16-byte alignment of every tensor (so also what Triton specialises the
+kernels on), mask kind, causal flag and window, and the requested kernel path, schedule and spin
+bound. From it the dispatcher builds a :class:`~.plan.Plan`: the kernel path and why, the
+schedule object (``auto`` resolved here and nowhere else), the tile config, the grid, and the
+launcher that executes it. The plan is cached by signature, so a call of a signature already
+seen costs a dictionary lookup before its launches; ``cache_info()`` and ``cache_clear()`` work
+as ``functools.lru_cache``'s. Launchers only execute plans: none imports this module or another
+path's launcher.
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
-from .catalog import KERNELS
+import torch
+import triton
+
+from . import backward, catalog, forward, packed
+from .catalog import AUTO, KERNELS, Schedule
+from .configs import PORTABLE_AUTO, arch_key, backward_config, forward_config
+from .hopper import config as hopper_config
+from .hopper import support
+from .launch import Launches, interpreting, warn_once
+from .plan import Plan
 
 PORTABLE = "portable"
 HOPPER = "hopper"
 NO_WINDOW = (-1, -1)
+_NO_PACKED_FORWARD = "packed sequences (the Hopper forward takes no offsets)"
 
+log = logging.getLogger("dash_inductor")
+
+
+class CacheInfo(NamedTuple):
+    """The plan cache's statistics, as ``functools.lru_cache``'s ``cache_info()``."""
+
+    hits: int
+    misses: int
+    maxsize: int
+    currsize: int
+
+
+_MAXSIZE = 1024  #: signatures kept; a model has a handful per layer shape
+_PLANS: dict[tuple, Plan] = {}
+_STATS = [0, 0]  # hits, misses
+
+
+def cache_info() -> CacheInfo:
+    """Hits, misses, capacity and size of the plan cache."""
+    return CacheInfo(_STATS[0], _STATS[1], _MAXSIZE, len(_PLANS))
+
+
+def cache_clear() -> None:
+    """Forget every plan and the statistics (the next call of each signature plans anew)."""
+    _PLANS.clear()
+    _STATS[:] = [0, 0]
+
+
+def _cached(key: tuple, build: Callable[[], Plan]) -> Plan:
+    plan = _PLANS.get(key)
+    if plan is not None:
+        _STATS[0] += 1
+        return plan
+    _STATS[1] += 1
+    plan = build()
+    if len(_PLANS) >= _MAXSIZE:
+        del _PLANS[next(iter(_PLANS))]  # the oldest signature
+    _PLANS[key] = plan
+    log.debug("dash_inductor: planned %s", plan)
+    return plan
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """What the plan of a call depends on in a tensor (Triton specialises on the alignment)."""
+    if t is None:
+        return None
+    return t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0
+
+
+def _device_key(q: torch.Tensor) -> tuple:
+    """The device, and what picks kernel variants beside the tensors: TF32 for float32 dots, and
+    whether Triton interprets (tests switch it per process)."""
+    return q.device, torch.backends.cuda.matmul.allow_tf32, interpreting()
+
+
+# --- the kernel path --------------------------------------------------------------------------
 
 def _hopper_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         mask: torch.Tensor | None, window: tuple[int, int], op: str) -> str | None:
@@ -25,40 +98,360 @@ def _hopper_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return f"window_size={tuple(window)} (the Hopper forward takes no sliding window)"
     if q.device.type != "cuda":
         return f"device {q.device.type!r} (the Hopper kernels run on sm90 GPUs)"
-    try:
-        from .hopper.launch import unsupported_reason
-    except ImportError as error:  # a Triton without Gluon
-        return f"the Hopper kernels cannot be imported ({error})"
-    return unsupported_reason(q, k, v, mask)
+    return support.unsupported_reason(q, k, v, mask)
 
 
-def select_kernel(kernel: str, op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  mask: torch.Tensor | None, is_causal: bool, schedule: str | None = None,
-                  window: tuple[int, int] = NO_WINDOW) -> tuple[str, str | None]:
-    """The path that runs ``op`` ("forward" or "backward") with the resolved backward ``schedule``,
-    and why "auto" did not take the Hopper path (None when it did, or a path was named)."""
-    del is_causal  # both paths take causal and full masks alike
+def _check_kernel(kernel: str) -> None:
     if kernel not in KERNELS:
         raise ValueError(f"dash.attention: kernel must be one of {list(KERNELS)}, got {kernel!r}")
+
+
+def _forward_path(kernel: str, q, k, v, mask, window) -> tuple[str, str | None]:
+    """The forward's kernel path, and why ``auto`` did not take the Hopper one."""
+    _check_kernel(kernel)
     if kernel == PORTABLE:
         return PORTABLE, None
-    reason = _hopper_unsupported(q, k, v, mask, window, op)
+    reason = _hopper_unsupported(q, k, v, mask, window, "forward")
     if kernel == HOPPER and reason is not None:  # refused when the forward runs, not later
+        raise ValueError(f"dash.attention: kernel='hopper' cannot run this attention: {reason}; "
+                         f"use kernel='auto' or 'portable'")
+    if reason is not None or kernel == HOPPER:
+        return (PORTABLE if reason else HOPPER), reason
+    shortest = hopper_config.FORWARD_MIN_SEQ[q.shape[-1]]
+    if q.shape[2] >= shortest:
+        return HOPPER, None
+    return PORTABLE, (f"the Hopper forward measured faster at head dim {q.shape[-1]} only from "
+                      f"N = {shortest}")
+
+
+def _backward_path(kernel: str, schedule: str, q, k, v, mask, window) -> tuple[str, str | None]:
+    """The backward's kernel path for the requested schedule, and why ``auto`` did not take the
+    Hopper one. ``auto`` takes it for the ordered schedules, which the portable kernels run with
+    the dQ turn on their critical path (``hopper_config.FASTER_ON_HOPPER``)."""
+    _check_kernel(kernel)
+    if kernel == PORTABLE:
+        return PORTABLE, None
+    reason = _hopper_unsupported(q, k, v, mask, window, "backward")
+    if kernel == HOPPER and reason is not None:
         raise ValueError(f"dash.attention: kernel='hopper' cannot run this attention: {reason}; "
                          f"use kernel='auto' or 'portable'")
     if reason is not None:
         return PORTABLE, reason
-    from .hopper.config import FASTER_ON_HOPPER, FORWARD_MIN_SEQ
-
-    if kernel == HOPPER:
+    if kernel == HOPPER or schedule == AUTO or schedule in hopper_config.FASTER_ON_HOPPER:
         return HOPPER, None
-    if op == "forward":
-        shortest = FORWARD_MIN_SEQ[q.shape[-1]]
-        if q.shape[2] >= shortest:
-            return HOPPER, None
-        return PORTABLE, (f"the Hopper forward measured faster at head dim {q.shape[-1]} only "
-                          f"from N = {shortest}")
-    if schedule not in FASTER_ON_HOPPER:
-        return PORTABLE, (f"schedule {schedule!r} measured faster on the portable kernels "
-                          f"(the Hopper path is picked for {list(FASTER_ON_HOPPER)})")
-    return HOPPER, None
+    return PORTABLE, (f"schedule {schedule!r} measured faster on the portable kernels (the "
+                      f"Hopper path is picked for {list(hopper_config.FASTER_ON_HOPPER)})")
+
+
+def auto_schedule(path: str, causal: bool, packed: bool, head_dim: int,
+                  windowed: bool) -> Schedule:
+    """What ``schedule="auto"`` runs on ``path``: each kernel family's measured rule."""
+    if path == HOPPER:
+        return catalog.get(hopper_config.auto_on_hopper(causal, packed, head_dim, windowed))
+    return catalog.get(PORTABLE_AUTO)
+
+
+def _requested(schedule: str, path: str, causal: bool, packed: bool, head_dim: int,
+               window: tuple[int, int]) -> Schedule:
+    if schedule == AUTO:
+        return auto_schedule(path, causal, packed, head_dim, window != NO_WINDOW)
+    if schedule not in catalog.SCHEDULES:
+        raise ValueError(f"schedule must be {AUTO!r} or one of {list(catalog.NAMES)}, "
+                         f"got {schedule!r}")
+    return catalog.get(schedule)
+
+
+# --- fitting a schedule -----------------------------------------------------------------------
+
+def window_fallback(schedule: Schedule, causal: bool,
+                    window: tuple[int, int]) -> tuple[Schedule, str | None]:
+    """The schedule that runs under ``window``, and why it is not the one asked: ``shift`` has no
+    windowed ranks and falls back to the ordered schedule that runs on any grid."""
+    if tuple(window) == NO_WINDOW or schedule.name != "shift":
+        return schedule, None
+    fitted = catalog.get(catalog.fallback(causal))
+    return fitted, (f"schedule 'shift' has no sliding-window ranks; using {fitted.name!r} "
+                    f"(ordered, window-aware) instead")
+
+
+def fit_schedule(schedule: Schedule, causal: bool, window: tuple[int, int], n_kv: int,
+                 capacity: Callable[[Schedule], int], shape: str) -> tuple[Schedule, str | None]:
+    """The schedule that runs: the window's fallback, or one whose items of a head fit the
+    ``capacity`` co-resident programs; and why it is not the one asked (warned once)."""
+    fitted, reason = window_fallback(schedule, causal, window)
+    if reason or not schedule.coresident_head:
+        return fitted, reason
+    needed = schedule.items_per_head(n_kv, causal)
+    available = capacity(schedule)
+    if needed <= available:
+        return schedule, None
+    fallback = catalog.get(catalog.fallback(causal))
+    reason = (f"schedule {schedule.name!r} needs {needed} co-resident programs per head for "
+              f"{shape}, the GPU holds {available}; using {fallback.name!r} instead")
+    warn_once(f"dash attention backward: {reason}")
+    return fallback, reason
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(q: torch.Tensor) -> int:
+    return _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
+def _hopper():
+    """The Hopper launchers and the kernels' counter layout (imported once the path is taken:
+    they need Gluon)."""
+    from .hopper import deal, dq_tail
+    from .hopper import launch as hopper_launch
+
+    return hopper_launch, deal, dq_tail
+
+
+# --- dense forward and backward ---------------------------------------------------------------
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, *,
+                      is_causal: bool, scale: float, kernel: str = AUTO,
+                      window: tuple[int, int] = NO_WINDOW, config=None) -> Plan:
+    """Write softmax(q k^T * scale + mask) v into ``out`` and its natural-log logsumexp into the
+    contiguous fp32 (B, Hq, L) ``lse``; return the plan that ran. ``window`` = (left, right):
+    query i sees keys i - left..i + right (-1: that side open), top-left aligned. ``config``
+    overrides the tile table (tests and tuning only)."""
+    window = tuple(window)
+    key = ("forward", *_device_key(q), _layout(q), _layout(k), _layout(v), _layout(mask),
+           _layout(out), is_causal, window, kernel, config)
+    plan = _cached(key, lambda: _plan_forward(q, k, v, mask, out, is_causal, window, kernel,
+                                              config))
+    plan.run(plan, q, k, v, *((mask,) if plan.kernel == PORTABLE else ()), out, lse, scale)
+    return plan
+
+
+def _plan_forward(q, k, v, mask, out, is_causal, window, kernel, config) -> Plan:
+    path, reason = _forward_path(kernel, q, k, v, mask, window)
+    batch, hq, seq_q, e = q.shape
+    if path == HOPPER:
+        launcher = _hopper()[0]
+        cfg = config or hopper_config.HopperForwardConfig()
+        grid = (triton.cdiv(seq_q, cfg.block_m), batch * hq) if seq_q and k.shape[2] else ()
+        spec = dict(constexprs=hopper_config.forward_constexprs(is_causal, hq // k.shape[1], cfg),
+                    copies=tuple(not support.tma_strided(t) for t in (q, k, v)),
+                    stage_out=not support.tma_strided(out))
+        return Plan("forward", HOPPER, reason, None, None, None, grid, cfg,
+                    launcher.run_forward, spec, Launches())
+    cfg = config or forward_config(max(e, v.shape[3]), q.dtype, is_causal, arch_key(q.device))
+    spec = dict(window=window, constexprs=forward.constexprs(
+        q, k, v, mask, cfg, is_causal=is_causal, window=window, packed=False))
+    grid = (triton.cdiv(seq_q, cfg.block_m), batch * hq)
+    return Plan("forward", PORTABLE, reason, None, None, None, grid, cfg, forward.run_forward,
+                spec, Launches())
+
+
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                       mask: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
+                       dv: torch.Tensor, *, is_causal: bool, scale: float, schedule: str = AUTO,
+                       max_spin: int = 1 << 26, kernel: str = AUTO,
+                       window: tuple[int, int] = NO_WINDOW, config=None) -> Plan:
+    """Write the gradients of attention into ``dq``, ``dk``, ``dv``; return the plan that ran.
+    ``lse`` is the forward's contiguous fp32 (B, Hq, L) logsumexp."""
+    window = tuple(window)
+    key = ("backward", *_device_key(q), _layout(grad_out), _layout(q), _layout(k), _layout(v),
+           _layout(out), _layout(mask), _layout(dq), _layout(dk), _layout(dv), is_causal, window,
+           schedule, max_spin, kernel, config)
+    plan = _cached(key, lambda: _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal,
+                                               window, schedule, max_spin, kernel, config))
+    if plan.kernel == PORTABLE:
+        plan.run(plan, grad_out, q, k, v, out, lse, mask, dq, dk, dv, scale, max_spin)
+    else:
+        plan.run(plan, grad_out, q, k, v, out, lse, dq, dk, dv, scale, max_spin)
+    return plan
+
+
+def _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal, window, schedule, max_spin,
+                   kernel, config) -> Plan:
+    path, reason = _backward_path(kernel, schedule, q, k, v, mask, window)
+    batch, hq, seq_q, e = q.shape
+    seq_k, ev = k.shape[2], v.shape[3]
+    requested = _requested(schedule, path, is_causal, False, max(e, ev), window)
+    shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
+    if path == HOPPER:
+        launcher = _hopper()[0]
+        cfg = config or hopper_config.backward_config(e, is_causal)
+        n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
+        sms = _sms(q)
+        fitted, fallback = fit_schedule(requested, is_causal, window, n_kv, lambda _: sms, shape)
+        per_head, items, grid, constexprs = hopper_config.backward_geometry(
+            fitted, cfg, batch, k.shape[1], n_kv, is_causal, hq // k.shape[1],
+            seq_k % cfg.block_n == 0, window != NO_WINDOW, False, sms)
+        spec = dict(
+            window=window, causal=is_causal, shape=shape, tiles=(n_q, n_kv),
+            items=(per_head, items), constexprs=constexprs,
+            copies=tuple(not support.tma_strided(t) for t in (q, k, v, grad_out)),
+            # The ordered writer stores each row's first partial: only rows that see no key (a
+            # window with more queries than keys, or no keys) would be left unwritten.
+            clear_acc=(not fitted.ordered or seq_k == 0
+                       or (window != NO_WINDOW and seq_q > seq_k)),
+            zero_tail=is_causal and seq_k > n_q * cfg.block_n,
+            dq_config=backward_config(e, q.dtype, is_causal, 9))
+        return Plan("backward", HOPPER, reason, schedule, fitted, fallback, grid, cfg,
+                    launcher.run_backward, spec, Launches())
+    cfg = config or backward_config(max(e, ev), q.dtype, is_causal, arch_key(q.device))
+    if cfg.block_n % cfg.block_m:
+        raise ValueError(f"backward config needs block_m dividing block_n, got {cfg}")
+    n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
+    views = (q, k, v, grad_out, lse, mask, dk, dv)
+    fitted, fallback, grid, spec = _portable_main(views, None, cfg, requested, is_causal, window,
+                                                  max_spin, (seq_q, seq_k, n_q, n_kv), batch,
+                                                  shape)
+    spec.update(zero_tail=is_causal and seq_k > n_q * cfg.block_n)
+    return Plan("backward", PORTABLE, reason, schedule, fitted, fallback, grid, cfg,
+                backward.run_backward, spec, Launches())
+
+
+def _portable_main(views: tuple, packed_args: tuple | None, cfg, requested: Schedule,
+                   is_causal: bool, window: tuple[int, int], max_spin: int,
+                   sizes: tuple[int, int, int, int], entries: int, shape: str) -> tuple:
+    """(schedule that runs, why not the one asked, grid, launcher spec) of the portable main
+    kernel: the grid holds only co-resident programs, which the compiled kernel's registers and
+    shared memory decide."""
+    q, k, v, mask = views[0], views[1], views[2], views[5]
+    n_kv = sizes[3]
+    is_packed = packed_args is not None
+
+    def main(schedule: Schedule) -> tuple[dict, tuple[int, ...]]:
+        per_head = schedule.items_per_head(max(n_kv, 1), is_causal)
+        constexprs = backward.main_constexprs(q, k, v, mask, cfg, schedule, is_causal=is_causal,
+                                              window=window, packed=is_packed)
+        return constexprs, (*sizes, per_head, entries * k.shape[1] * per_head)
+
+    def capacity(schedule: Schedule) -> int:
+        if interpreting():
+            return 1 << 30  # programs run one after another: any deal is safe
+        constexprs, full_sizes = main(schedule)
+        return backward.capacity(constexprs, views, packed_args, full_sizes, window, max_spin)
+
+    fitted, fallback = fit_schedule(requested, is_causal, window, max(n_kv, 1), capacity, shape)
+    constexprs, full_sizes = main(fitted)
+    per_head, items = full_sizes[4:]
+    if not interpreting():
+        programs = min(items, capacity(fitted))
+    elif not is_packed:
+        programs = min(items, 3)
+    else:
+        # The interpreter runs programs one after another: one program per item of a head adds
+        # each sequence's dQ in the order of its items, wherever the packing puts the sequence.
+        programs = per_head
+    spec = dict(window=window, causal=is_causal, shape=shape, sizes=full_sizes,
+                constexprs=constexprs)
+    return fitted, fallback, (programs,), spec
+
+
+# --- packed sequences -------------------------------------------------------------------------
+
+def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q: torch.Tensor,
+                   cu_seq_k: torch.Tensor, max_q: int, max_k: int, out: torch.Tensor,
+                   lse: torch.Tensor, *, is_causal: bool, scale: float,
+                   window: tuple[int, int] = NO_WINDOW, kernel: str = AUTO, config=None) -> Plan:
+    """Write each packed sequence's attention into ``out`` (Tq, Hq, Ev) and its logsumexp into
+    the contiguous fp32 ``lse`` (Hq, Tq), in one launch that reads the offsets on the device;
+    return the plan that ran (``ops/packed.py`` has the layout)."""
+    window = tuple(window)
+    key = ("varlen_forward", *_device_key(q), _layout(q), _layout(k), _layout(v), _layout(out),
+           _layout(cu_seq_q), _layout(cu_seq_k), max_q, max_k, is_causal, window, kernel, config)
+    plan = _cached(key, lambda: _plan_varlen_forward(q, k, v, cu_seq_q, max_q, max_k, is_causal,
+                                                     window, kernel, config))
+    plan.run(plan, q, k, v, cu_seq_q, cu_seq_k, out, lse, scale)
+    return plan
+
+
+def _plan_varlen_forward(q, k, v, cu_seq_q, max_q, max_k, is_causal, window, kernel,
+                         config) -> Plan:
+    _check_kernel(kernel)
+    if kernel == HOPPER:
+        raise ValueError(f"dash.varlen_attention: kernel='hopper' cannot run {_NO_PACKED_FORWARD}")
+    reason = None if kernel == PORTABLE else _NO_PACKED_FORWARD
+    cfg = config or forward_config(max(q.shape[2], v.shape[2]), q.dtype, is_causal,
+                                   arch_key(q.device))
+    num_seqs = cu_seq_q.numel() - 1
+    grid = (num_seqs * q.shape[1], triton.cdiv(max_q, cfg.block_m))
+    views = (packed.virtual(t, num_seqs) for t in (q, k, v))
+    spec = dict(window=window, max_lens=(max_q, max_k), constexprs=forward.constexprs(
+        *views, None, cfg, is_causal=is_causal, window=window, packed=True))
+    return Plan("forward", PORTABLE, reason, None, None, None, grid if all(grid) else (), cfg,
+                packed.run_varlen_forward, spec, Launches())
+
+
+def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, cu_seq_q: torch.Tensor,
+                    cu_seq_k: torch.Tensor, max_q: int, max_k: int, dq: torch.Tensor,
+                    dk: torch.Tensor, dv: torch.Tensor, *, is_causal: bool, scale: float,
+                    schedule: str = AUTO, max_spin: int = 1 << 26, kernel: str = AUTO,
+                    window: tuple[int, int] = NO_WINDOW, config=None) -> Plan:
+    """Write every element of the packed gradients ``dq``, ``dk``, ``dv``; ``lse`` is the
+    forward's (Hq, Tq); return the plan that ran. Each sequence's tile walks and reduction ranks
+    are its own, so its bits do not depend on what is packed beside it."""
+    window = tuple(window)
+    key = ("varlen_backward", *_device_key(q), _layout(grad_out), _layout(q), _layout(k),
+           _layout(v), _layout(out), _layout(dq), _layout(dk), _layout(dv), _layout(cu_seq_q),
+           _layout(cu_seq_k), max_q, max_k, is_causal, window, schedule, max_spin, kernel,
+           config)
+    plan = _cached(key, lambda: _plan_varlen_backward(
+        grad_out, q, k, v, lse, (cu_seq_q, cu_seq_k, max_q, max_k), dq, dk, dv, is_causal, window,
+        schedule, max_spin, kernel, config))
+    plan.run(plan, grad_out, q, k, v, out, lse, cu_seq_q, cu_seq_k, dq, dk, dv, scale, max_spin)
+    return plan
+
+
+def _plan_varlen_backward(grad_out, q, k, v, lse, packed_args, dq, dk, dv, is_causal, window,
+                          schedule, max_spin, kernel, config) -> Plan:
+    path, reason = _backward_path(kernel, schedule, q, k, v, None, window)
+    (tq, hq, e), (tk, hkv, ev) = q.shape, v.shape
+    cu_seq_q, _, max_q, max_k = packed_args
+    num_seqs = cu_seq_q.numel() - 1
+    requested = _requested(schedule, path, is_causal, True, max(e, ev), window)
+    aligned = is_causal or window != NO_WINDOW
+    span_q, span_k = (max(max_q, max_k),) * 2 if aligned else (max_q, max_k)
+    shape = (f"packed q {tuple(q.shape)}, k {tuple(k.shape)}, {num_seqs} sequences, "
+             f"max_q={max_q}, max_k={max_k}, causal={is_causal}")
+    spec = dict(window=window, causal=is_causal, shape=shape, max_lens=(max_q, max_k))
+    if path == HOPPER:
+        launcher, deal, dq_tail = _hopper()
+        cfg = config or hopper_config.backward_config(e, is_causal, packed=True)
+        if dq.stride(2) != 1:  # the kernel's own conversion writes rows of contiguous elements
+            cfg = dataclasses.replace(cfg, tail_convert=False)
+        n_q, n_kv = triton.cdiv(span_q, cfg.block_n), triton.cdiv(span_k, cfg.block_n)
+        sms = _sms(q)
+        fitted, fallback = fit_schedule(requested, is_causal, window, max(n_kv, 1),
+                                        lambda _: sms, shape)
+        per_head, items, grid, constexprs = hopper_config.backward_geometry(
+            fitted, cfg, num_seqs, hkv, max(n_kv, 1), is_causal, hq // hkv, False,
+            window != NO_WINDOW, True, sms)
+        counters = deal.COUNTERS.value + (dq_tail.counters(num_seqs, hkv)
+                                          if constexprs["TAIL_CONVERT"] else 0)
+        heads_first = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, grad_out))
+        spec.update(tiles=(n_q, n_kv), items=(per_head, items), constexprs=constexprs,
+                    aligned=aligned, counters=counters,
+                    copies=tuple(not support.tma_strided(t) for t in heads_first),
+                    dq_config=backward_config(e, q.dtype, is_causal, 9))
+        runs = num_seqs and n_q and n_kv and tq and tk
+        return Plan("backward", HOPPER, reason, schedule, fitted, fallback,
+                    grid if runs else (), cfg, launcher.run_varlen_backward, spec, Launches())
+    cfg = config or backward_config(max(e, ev), q.dtype, is_causal, arch_key(q.device))
+    if cfg.block_n % cfg.block_m:
+        raise ValueError(f"backward config needs block_m dividing block_n, got {cfg}")
+    n_q, n_kv = triton.cdiv(span_q, cfg.block_n), triton.cdiv(span_k, cfg.block_n)
+    if not (num_seqs and n_q and n_kv and tq and tk):  # no sequence has both queries and keys
+        return Plan("backward", PORTABLE, reason, schedule, requested, None, (), cfg,
+                    packed.run_varlen_backward, spec, Launches())
+    views = tuple(packed.virtual(t, num_seqs) for t in (q, k, v, grad_out))
+    lse_c = lse.contiguous()
+    dk4, dv4 = (packed.virtual(t, num_seqs) for t in (dk, dv))
+    fitted, fallback, grid, main_spec = _portable_main(
+        (*views, lse_c, None, dk4, dv4), packed_args, cfg, requested,
+        is_causal, window, max_spin, (tq, tk, n_q, n_kv), num_seqs, shape)
+    spec.update(main_spec)
+    return Plan("backward", PORTABLE, reason, schedule, fitted, fallback, grid, cfg,
+                packed.run_varlen_backward, spec, Launches())

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launches
+
 #: Rows a program converts.
 BLOCK_ROWS = 64
 
@@ -34,11 +36,11 @@ def _convert_kernel(ACC, DQ, L, H, acc_rows, stride_b, stride_h, stride_l, strid
     tl.store(dq, acc.to(DQ.dtype.element_ty), mask=inside)
 
 
-def convert_dq(dq_acc: torch.Tensor, dq: torch.Tensor) -> None:
+def convert_dq(launches: Launches, dq_acc: torch.Tensor, dq: torch.Tensor) -> None:
     """Write fp32 ``dq_acc`` (B * H, rows >= L, D >= E, contiguous) into (B, H, L, E) ``dq``."""
     batch, heads, seq, e = dq.shape
     if dq.numel() == 0:
         return
-    _convert_kernel[(triton.cdiv(seq, BLOCK_ROWS), batch * heads)](
-        dq_acc, dq, seq, heads, dq_acc.shape[1], *dq.stride(), E=e, HEAD_ACC=dq_acc.shape[2],
-        BLOCK=BLOCK_ROWS)
+    launches("convert", _convert_kernel, (triton.cdiv(seq, BLOCK_ROWS), batch * heads),
+             (dq_acc, dq, seq, heads, dq_acc.shape[1], *dq.stride()),
+             dict(E=e, HEAD_ACC=dq_acc.shape[2], BLOCK=BLOCK_ROWS))

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .configs import head_dim_bucket
-from .launch import dot_precision, mask_kind
+from .launch import Launches, dot_precision, mask_kind
 from .tiles import (LOG2E, exp2_logsumexp, key_tile_range, load_tile, masked_scores, mm,
                     row_offset, sequence_rows, window_keep)
 
@@ -129,7 +129,7 @@ def _backward_dq_kernel(
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(rows[:, None] < L) & (offs_e[None, :] < E))
 
 
-def launch_dq_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+def launch_dq_pass(launches: Launches, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor | None,
                    dq: torch.Tensor, *, is_causal: bool, scale: float, cfg,
                    window: tuple[int, int] = (-1, -1), packed: tuple | None = None) -> None:
@@ -147,13 +147,13 @@ def launch_dq_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     else:
         cu_q, cu_k, max_q, max_k = packed
         grid, lse_strides = (batch * hq, triton.cdiv(max_q, cfg.dq_block_m)), (0, seq_q)
-    _backward_dq_kernel[grid](
+    launches("dq_pass", _backward_dq_kernel, grid, (
         q, k, v, grad_out, lse, delta, mask_t, dq, cu_q, cu_k,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides, *dq.stride(),
-        *lse_strides, hq, seq_q, seq_k, max_q, max_k, scale * LOG2E, scale, *window,
+        *lse_strides, hq, seq_q, seq_k, max_q, max_k, scale * LOG2E, scale, *window), dict(
         GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e), HEAD_EV=head_dim_bucket(ev),
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
         EVEN_M=packed is None and seq_q % cfg.dq_block_m == 0,
         CAUSAL=is_causal, MASK_KIND=mask_kind(mask), WINDOW=tuple(window) != (-1, -1),
         VARLEN=packed is not None, PRECISION=dot_precision(q.dtype), num_warps=cfg.dq_num_warps,
-        num_stages=cfg.dq_num_stages)
+        num_stages=cfg.dq_num_stages))

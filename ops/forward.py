@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import arch_key, forward_config, head_dim_bucket
-from .dispatch import HOPPER, select_kernel
+from .configs import ForwardConfig, head_dim_bucket
 from .launch import dot_precision, mask_kind
 from .plan import Plan
 from .tiles import (LN2, LOG2E, key_tile_range, load_tile, masked_scores, mm, row_offset,
@@ -150,54 +149,39 @@ def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor
     return mask, tuple(mask.stride())
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool, scale: float,
-                      kernel: str = "auto", config=None,
-                      window: tuple[int, int] = (-1, -1)) -> Plan:
-    """Write softmax(q k^T * scale + mask) v into ``out`` and its logsumexp into ``lse``.
-
-    ``window`` = (left, right): query i sees keys i - left..i + right (-1: that side open; a
-    right side of 0 is ``is_causal``), top-left aligned; the KV tiles outside are skipped.
-
-    ``lse`` must be a contiguous fp32 (B, Hq, L) tensor. ``kernel`` picks the kernel path
-    (``ops/dispatch.py``). ``config`` overrides the table's :class:`~.configs.ForwardConfig`
-    (tests and tuning only). Returns what ran.
-    """
-    path, kernel_reason = select_kernel(kernel, "forward", q, k, v, mask, is_causal, window=window)
-    if path == HOPPER:
-        from .hopper.launch import attention_forward as hopper_forward
-
-        return hopper_forward(q, k, v, out, lse, is_causal=is_causal, scale=scale,
-                              kernel_reason=kernel_reason)
-    batch, hq, seq_q, e = q.shape
-    ev = v.shape[3]
-    if not lse.is_contiguous():
-        raise ValueError("lse must be a contiguous fp32 tensor of shape (B, Hq, L)")
-    cfg = config or forward_config(max(e, ev), q.dtype, is_causal, arch_key(q.device))
-    grid = (triton.cdiv(seq_q, cfg.block_m), batch * hq)
-    launch_forward(grid, q, k, v, mask, out, lse, (hq * seq_q, seq_q), None, cfg,
-                   is_causal=is_causal, scale=scale, window=window)
-    return Plan("forward", path, kernel_reason, None, None, None, grid, cfg)
+def constexprs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               cfg: ForwardConfig, *, is_causal: bool, window: tuple[int, int],
+               packed: bool) -> dict[str, object]:
+    """The forward kernel's compile-time arguments for (B, H, L, D) views of a call."""
+    e, ev = q.shape[3], v.shape[3]
+    return dict(GROUP=q.shape[1] // k.shape[1], E=e, EV=ev, HEAD_E=head_dim_bucket(e),
+                HEAD_EV=head_dim_bucket(ev), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                EVEN_M=not packed and q.shape[2] % cfg.block_m == 0, CAUSAL=is_causal,
+                MASK_KIND=mask_kind(mask), WINDOW=tuple(window) != (-1, -1), VARLEN=packed,
+                PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
 
 
-def launch_forward(grid: tuple[int, int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def run_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+                scale: float) -> None:
+    """Write softmax(q k^T * scale + mask) v into ``out`` and its logsumexp into the contiguous
+    fp32 (B, Hq, L) ``lse``, as ``plan`` says."""
+    hq, seq_q = q.shape[1], q.shape[2]
+    launch_forward(plan, q, k, v, mask, out, lse, (hq * seq_q, seq_q), None, scale)
+
+
+def launch_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-                   lse_strides: tuple[int, int], packed: tuple | None, cfg, *, is_causal: bool,
-                   scale: float, window: tuple[int, int]) -> None:
+                   lse_strides: tuple[int, int], packed: tuple | None, scale: float) -> None:
     """Launch the forward kernel on (B, H, L, D) views; ``lse_strides`` are its (batch, head)
-    strides. ``packed`` = (cu_seq_q, cu_seq_k, max_q, max_k) makes it the VARLEN kernel: the
-    views are the packed tensors with batch stride 0, B the number of sequences, and the grid's
-    axes swapped: (B * H, Q tiles)."""
-    batch, hq, seq_q, e = q.shape
-    hkv, seq_k, ev = k.shape[1], k.shape[2], v.shape[3]
+    strides. ``packed`` = (cu_seq_q, cu_seq_k, max_q, max_k) for the VARLEN kernel: the views are
+    the packed tensors with batch stride 0, B the number of sequences, and the grid's axes
+    swapped: (B * H, Q tiles)."""
     mask_t, mask_strides = _mask_args(mask, q)
     cu_q, cu_k, max_q, max_k = packed or (lse, lse, 0, 0)
-    _attention_forward_kernel[grid](
+    plan.launches("forward", _attention_forward_kernel, plan.grid, (
         q, k, v, mask_t, out, lse, cu_q, cu_k,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(), *lse_strides,
-        hq, seq_q, seq_k, max_q, max_k, scale * LOG2E, *window,
-        GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e), HEAD_EV=head_dim_bucket(ev),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        EVEN_M=packed is None and seq_q % cfg.block_m == 0, CAUSAL=is_causal, MASK_KIND=mask_kind(mask), WINDOW=tuple(window) != (-1, -1),
-        VARLEN=packed is not None, PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        q.shape[1], q.shape[2], k.shape[2], max_q, max_k, scale * LOG2E, *plan.spec["window"]),
+        plan.spec["constexprs"])

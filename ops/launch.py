@@ -1,4 +1,5 @@
-"""Launch helpers: dot precision, mask kinds, co-resident grid size, and the spin-error flag.
+"""Launch helpers: bound kernels, dot precision, mask kinds, co-resident grid size, and the
+spin-error flag.
 
 The ordered dQ reduction makes programs wait for each other, which is only safe when every program
 that can be waited on is running. The persistent grid is therefore sized from the compiled kernel's
@@ -15,6 +16,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from triton import knobs
 
 MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
 
@@ -96,6 +98,54 @@ def coresident_programs(kernel, args: tuple, kwargs: dict, device: torch.device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         _CAPACITY[key] = sms * _blocks_per_sm(compiled, device)
     return _CAPACITY[key]
+
+
+class Launches:
+    """A plan's kernels, each bound to its compiled binary on its first launch.
+
+    Triton's ``kernel[grid](...)`` specialises every argument on every call (its type, whether an
+    int is 1 or a multiple of 16, a pointer's alignment), which took more host time than the
+    launch. A plan's signature (``dispatch.py``) fixes all of that, so each launch site of a plan
+    (its ``slot``) binds once and later launches call the compiled kernel directly. Under the
+    interpreter every launch goes through Triton, which has no compiled kernel to bind.
+    """
+
+    __slots__ = ("_bound",)
+
+    def __init__(self) -> None:
+        self._bound: dict[str, Callable[[tuple, tuple], None]] = {}
+
+    def __call__(self, slot: str, kernel, grid: tuple[int, ...], args: tuple,
+                 constexprs: dict) -> None:
+        bound = self._bound.get(slot)
+        if bound is None:
+            if interpreting():
+                kernel[grid](*args, **constexprs)
+                return
+            bound = self._bound[slot] = _bind(kernel, args, constexprs)
+        bound(grid, args)
+
+
+def _bind(kernel, args: tuple, constexprs: dict) -> Callable[[tuple, tuple], None]:
+    """Compile ``kernel`` for these arguments and return a launcher of it that takes the grid and
+    the positional arguments: the compiled kernel wants every parameter in order, constexprs too."""
+    compiled = kernel.warmup(*args, grid=(1,), **constexprs)
+    compiled._init_handles()
+    parameters = inspect.signature(kernel.fn).parameters
+    tail = tuple(constexprs[name] if name in constexprs else parameters[name].default
+                 for name in kernel.arg_names[len(args):])
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    device, raw_stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
+    hooks = knobs.runtime  # profilers set launch hooks: read at each launch, as Triton does
+
+    def launch(grid: tuple[int, ...], args: tuple) -> None:
+        stream = raw_stream(device())
+        enter = hooks.launch_enter_hook
+        info = None if enter is None else compiled.launch_metadata(grid, stream, *args, *tail)
+        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+            function, metadata, info, enter, hooks.launch_exit_hook, *args, *tail)
+
+    return launch
 
 
 _WARNED: set[str] = set()

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .configs import head_dim_bucket
+from .launch import Launches
 from .tiles import exp2_logsumexp
 
 #: The flags after the tickets: the spin-error flag the launcher watches, and the work counter
@@ -96,7 +97,7 @@ class Prepared(NamedTuple):
 
 
 def prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, *, row_stride: int,
-            acc_rows: int, acc_dim: int, ticket_rows: int, with_lse2: bool,
+            acc_rows: int, acc_dim: int, ticket_rows: int, with_lse2: bool, launches: Launches,
             clear_acc: bool = True) -> Prepared:
     """Everything the dense backward kernels read besides the inputs, in one launch.
 
@@ -117,11 +118,12 @@ def prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, *, row
     n_tickets = heads * (acc_rows // ticket_rows)
     buffer = torch.empty((n_tickets + FLAGS,), device=device, dtype=torch.int32)
     block = max(BLOCK, ticket_rows)
-    _preprocess_kernel[(triton.cdiv(max(row_stride, acc_rows), block), heads)](
+    launches("prepare", _preprocess_kernel, (triton.cdiv(max(row_stride, acc_rows), block), heads), (
         out, grad_out, lse, stats, buffer if dq_acc is None else dq_acc, buffer,
         *out.stride(), *grad_out.stride(), hq, seq_q, row_stride, heads * row_stride, acc_rows,
-        n_tickets, EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=block, WITH_LSE2=with_lse2,
-        HEAD_ACC=acc_dim if clear_acc else 0, CLEAR=True, TICKET_ROWS=ticket_rows, N_FLAGS=FLAGS)
+        n_tickets), dict(EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=block, WITH_LSE2=with_lse2,
+                         HEAD_ACC=acc_dim if clear_acc else 0, CLEAR=True, TICKET_ROWS=ticket_rows,
+                         N_FLAGS=FLAGS))
     stats = stats if with_lse2 else stats.view(heads, row_stride)
     return Prepared(stats, dq_acc, buffer[:n_tickets], buffer[n_tickets:])
 
@@ -133,13 +135,13 @@ def zeroed_tickets(count: int, device: torch.device) -> tuple[torch.Tensor, torc
     return buffer[:count], buffer[count:]
 
 
-def compute_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+def compute_delta(out: torch.Tensor, grad_out: torch.Tensor, launches: Launches) -> torch.Tensor:
     """delta = rowsum(dO * O) in fp32, shape (B * Hq, L), alone (the packed paths, whose tickets
     and accumulators follow packed rows)."""
     batch, hq, seq_q, ev = out.shape
     delta = torch.empty((batch * hq, seq_q), device=out.device, dtype=torch.float32)
-    _preprocess_kernel[(triton.cdiv(seq_q, BLOCK), batch * hq)](
+    launches("delta", _preprocess_kernel, (triton.cdiv(seq_q, BLOCK), batch * hq), (
         out, grad_out, delta, delta, delta, delta, *out.stride(), *grad_out.stride(), hq, seq_q,
-        seq_q, 0, 0, 0, EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=BLOCK, WITH_LSE2=False,
-        HEAD_ACC=0, CLEAR=False, TICKET_ROWS=BLOCK, N_FLAGS=FLAGS)
+        seq_q, 0, 0, 0), dict(EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=BLOCK, WITH_LSE2=False,
+                              HEAD_ACC=0, CLEAR=False, TICKET_ROWS=BLOCK, N_FLAGS=FLAGS))
     return delta

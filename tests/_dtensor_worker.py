@@ -20,14 +20,16 @@ import dash_inductor  # noqa: F401  (registers the ops and their sharding rules)
 
 
 def _run(mesh, op, tensors: dict[str, Any], places: dict[str, Any], extra: tuple,
-         generator: torch.Generator) -> dict[str, Any]:
-    """``op(*tensors, *extra)`` -> (out, lse) and its backward, plain and on DTensors."""
+         generator: torch.Generator, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``op(*tensors, *extra, **options)`` -> (out, lse) and its backward, plain and on
+    DTensors."""
+    options = options or {}
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
     plain = {n: None if t is None else t.clone().requires_grad_(t.is_floating_point())
              for n, t in tensors.items()}
-    out, lse = op(*plain.values(), *extra)
+    out, lse = op(*plain.values(), *extra, **options)
     grad = torch.randn(out.shape, generator=generator)
     out.backward(grad)
 
@@ -35,7 +37,7 @@ def _run(mesh, op, tensors: dict[str, Any], places: dict[str, Any], extra: tuple
                distribute_tensor(t, mesh, [places[n]]).requires_grad_(t.is_floating_point())
                for n, t in tensors.items()}
     with CommDebugMode() as forward_comm:
-        d_out, d_lse = op(*sharded.values(), *extra)
+        d_out, d_lse = op(*sharded.values(), *extra, **options)
     d_grad = distribute_tensor(grad, mesh, list(d_out.placements))
     with CommDebugMode() as backward_comm:
         d_out.backward(d_grad)
@@ -67,7 +69,7 @@ def _case(mesh, q_shape, kv_shape, q_place, kv_place, *, mask_shape=None, mask_p
                 else torch.randn(mask_shape, generator=generator))
     places = {"q": q_place, "k": kv_place, "v": kv_place, "mask": mask_place}
     return _run(mesh, torch.ops.dash.attention, {"q": q, "k": k, "v": v, "mask": mask}, places,
-                (causal, None, gqa), generator)
+                (0.0, causal), generator, dict(enable_gqa=gqa))
 
 
 def _varlen_case(mesh, heads, kv_heads, q_place, kv_place) -> dict[str, Any]:

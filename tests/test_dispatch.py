@@ -1,4 +1,5 @@
-"""The kernel-path rule of ops/dispatch.py, with the Hopper support check stubbed (no GPU here)."""
+"""The dispatcher (ops/dispatch.py): its kernel-path and ``auto`` rules with the Hopper support
+check stubbed (no GPU here), and its plan cache: a signature is planned once."""
 
 import dataclasses
 
@@ -6,12 +7,12 @@ import pytest
 import torch
 
 from dash_inductor.ops import catalog, dispatch
+from dash_inductor.ops.hopper import support
 from dash_inductor.ops.hopper.config import FASTER_ON_HOPPER, FORWARD_MIN_SEQ
 
 
-def _qkv():
-    q, k, v = (torch.randn(1, 2, 64, 64) for _ in range(3))
-    return q, k, v
+def _qkv(seq=64, dim=64, device="cpu"):
+    return tuple(torch.randn(1, 2, seq, dim, device=device) for _ in range(3))
 
 
 @pytest.fixture
@@ -19,9 +20,16 @@ def hopper_takes_it(monkeypatch):
     monkeypatch.setattr(dispatch, "_hopper_unsupported", lambda *args: None)
 
 
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    dispatch.cache_clear()
+    yield
+    dispatch.cache_clear()
+
+
 @pytest.mark.parametrize("schedule", catalog.NAMES)
 def test_auto_backward_takes_hopper_exactly_for_the_measured_schedules(hopper_takes_it, schedule):
-    path, reason = dispatch.select_kernel("auto", "backward", *_qkv(), None, False, schedule)
+    path, reason = dispatch._backward_path("auto", schedule, *_qkv(), None, (-1, -1))
     assert (path == dispatch.HOPPER) == (schedule in FASTER_ON_HOPPER)
     assert (reason is None) == (path == dispatch.HOPPER)
     if reason is not None:
@@ -38,30 +46,29 @@ def test_ordered_schedules_are_the_hopper_ones():
     ids=["d128-4k", "gqa", "d128-2k", "1k", "d64-just-short", "d64"])
 def test_auto_forward_takes_hopper_where_it_measured_faster(hopper_takes_it, shape, takes_hopper):
     batch, hq, hkv, seq, dim = shape
-    q = torch.empty(batch, hq, seq, dim)
-    k = v = torch.empty(batch, hkv, seq, dim)
-    path, reason = dispatch.select_kernel("auto", "forward", q, k, v, None, True)
+    q = torch.empty(batch, hq, seq, dim, device="meta")
+    k = v = torch.empty(batch, hkv, seq, dim, device="meta")
+    path, reason = dispatch._forward_path("auto", q, k, v, None, (-1, -1))
     assert (path == dispatch.HOPPER) == takes_hopper
     assert (reason is None) == takes_hopper
     if reason is not None:
         assert f"from N = {FORWARD_MIN_SEQ[dim]}" in reason
-    assert dispatch.select_kernel("hopper", "forward", q, k, v, None, True) == (dispatch.HOPPER,
-                                                                                None)
+    assert dispatch._forward_path("hopper", q, k, v, None, (-1, -1)) == (dispatch.HOPPER, None)
 
 
 def test_named_paths(hopper_takes_it):
-    assert dispatch.select_kernel("portable", "backward", *_qkv(), None, False, "shift") == (
+    assert dispatch._backward_path("portable", "shift", *_qkv(), None, (-1, -1)) == (
         dispatch.PORTABLE, None)
-    assert dispatch.select_kernel("hopper", "backward", *_qkv(), None, False, "recompute") == (
+    assert dispatch._backward_path("hopper", "recompute", *_qkv(), None, (-1, -1)) == (
         dispatch.HOPPER, None)
     with pytest.raises(ValueError, match="kernel must be one of"):
-        dispatch.select_kernel("fast", "backward", *_qkv(), None, False, "shift")
+        dispatch._backward_path("fast", "shift", *_qkv(), None, (-1, -1))
 
 
 def test_a_window_keeps_the_forward_portable_and_the_backward_on_hopper():
     with pytest.raises(ValueError, match="Hopper forward takes no sliding window"):
-        dispatch.select_kernel("hopper", "forward", *_qkv(), None, True, window=(128, 0))
-    path, reason = dispatch.select_kernel("auto", "forward", *_qkv(), None, True, window=(128, 0))
+        dispatch._forward_path("hopper", *_qkv(), None, (128, 0))
+    path, reason = dispatch._forward_path("auto", *_qkv(), None, (128, 0))
     assert path == dispatch.PORTABLE and "window_size=(128, 0)" in reason
     # Here the backward is refused for the CPU only, not for the window.
     reason = dispatch._hopper_unsupported(*_qkv(), None, (128, 0), "backward")
@@ -70,8 +77,8 @@ def test_a_window_keeps_the_forward_portable_and_the_backward_on_hopper():
 
 def test_hopper_refused_with_the_reason_on_cpu():
     with pytest.raises(ValueError, match="kernel='hopper' cannot run this attention: device 'cpu'"):
-        dispatch.select_kernel("hopper", "forward", *_qkv(), None, False)
-    path, reason = dispatch.select_kernel("auto", "backward", *_qkv(), None, False, "shift")
+        dispatch._forward_path("hopper", *_qkv(), None, (-1, -1))
+    path, reason = dispatch._backward_path("auto", "shift", *_qkv(), None, (-1, -1))
     assert path == dispatch.PORTABLE and "device 'cpu'" in reason
 
 
@@ -80,20 +87,19 @@ def test_hopper_reads_model_layouts_in_place_and_copies_only_what_tma_cannot_rea
     """Rank-4 descriptors read a model's (B, L, H, D) views as they are, at any batch size; a
     misaligned view or a stride TMA cannot take is copied, with the same values (so the path, and
     the bits, never depend on the layout or the batch size)."""
-    from dash_inductor.ops.hopper.launch import tma_readable
-
     contiguous = torch.randn(batch, 4, 32, 64, dtype=torch.bfloat16)
     transposed = torch.randn(batch, 32, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
     fused = torch.randn(batch, 32, 3, 4, 64, dtype=torch.bfloat16)[:, :, 1].transpose(1, 2)
     for t in (contiguous, transposed, fused):
-        assert tma_readable(t) is t
+        assert support.tma_strided(t)
     misaligned = torch.randn(batch * 4 * 32 * 64 + 1, dtype=torch.bfloat16)[1:].view(
         batch, 4, 32, 64)
     odd_rows = torch.randn(batch, 4, 32, 68, dtype=torch.bfloat16)[..., :64]  # 136-byte rows
     broadcast = torch.randn(1, 1, 32, 64, dtype=torch.bfloat16).expand(batch, 4, 32, 64)
     for t in (misaligned, odd_rows, broadcast):
-        readable = tma_readable(t)
-        assert readable is not t and readable.is_contiguous() and torch.equal(readable, t)
+        assert not support.tma_strided(t)
+        copy = support.tma_copy(t)
+        assert copy.is_contiguous() and support.tma_strided(copy) and torch.equal(copy, t)
 
 
 def test_descriptors_walk_the_tensors_own_strides():
@@ -109,34 +115,6 @@ def test_descriptors_walk_the_tensors_own_strides():
     assert list(_descriptor(single, 64).strides) == [8, 64, 256, 1]  # 8 bf16 = 16 bytes
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_packed_auto_runs_hopper_shift(hopper_takes_it, monkeypatch, causal):
-    """On packed sequences, dealt unpadded, ``shift`` led every deterministic schedule causal and
-    unmasked (H100, bench/packed_paths.py): "auto" runs it on the Hopper kernel, as does a
-    named ordered schedule; a named ``recompute`` stays portable (``FASTER_ON_HOPPER``)."""
-    from dash_inductor.ops import packed
-    from dash_inductor.ops.hopper import launch
-
-    ran = []
-    monkeypatch.setattr(launch, "varlen_backward",
-                        lambda *args, **kwargs: ran.append(kwargs["schedule"].name) or "hopper")
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    q, k, v, do = (torch.randn(12, 2, 16) for _ in range(4))
-    out, lse = torch.empty_like(q), torch.empty(2, 12)
-    packed.varlen_forward(q, k, v, cu, cu, 7, 7, out, lse, is_causal=causal, scale=0.25)
-
-    def backward(schedule):
-        grads = (torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v))
-        return packed.varlen_backward(do, q, k, v, out, lse, cu, cu, 7, 7, *grads,
-                                      is_causal=causal, scale=0.25, schedule=schedule)
-
-    assert backward("descending") == "hopper" and ran == ["descending"]
-    assert backward("auto") == "hopper" and ran == ["descending", "shift"]
-    plan = backward("recompute")
-    assert (plan.kernel, plan.schedule) == ("portable", "recompute")
-    assert ran == ["descending", "shift"]
-
-
 @pytest.mark.parametrize("dim, seq, causal, window, expected", [
     (128, 16384, False, (-1, -1), "descending"), (128, 4096, False, (-1, -1), "descending"),
     (128, 4096, True, (-1, -1), "shift"), (128, 4096, False, (300, 200), "descending"),
@@ -144,36 +122,44 @@ def test_packed_auto_runs_hopper_shift(hopper_takes_it, monkeypatch, causal):
     (64, 16384, True, (-1, -1), "shift"), (64, 8192, False, (300, 200), "descending"),
     (64, 16384, False, (-1, -1), "ascending"), (64, 20000, False, (-1, -1), "ascending"),
     (64, 4096, False, (-1, -1), "ascending"), (64, 8191, False, (300, 200), "descending")])
-def test_auto_on_hopper_follows_the_measured_rule(hopper_takes_it, dim, seq, causal, window,
-                                                  expected):
+def test_auto_on_hopper_follows_the_measured_rule(dim, seq, causal, window, expected):
     """The measured rule (H100 tables): ``shift`` causal; unmasked ``ascending`` at head dim 64
     and ``descending`` at 128, at every length; a window keeps ``descending`` where the problem
     is unmasked (it is window-aware); off the Hopper path ``auto`` stays the portable rule's."""
-    from dash_inductor.ops.backward import choose_path, window_fallback
+    schedule = dispatch._requested("auto", dispatch.HOPPER, causal, False, dim, window)
+    assert dispatch.window_fallback(schedule, causal, window)[0].name == expected
+    assert dispatch._requested("auto", dispatch.PORTABLE, causal, False, dim,
+                               window).name == "recompute"
 
-    q, k, v = (torch.empty(1, 2, seq, dim, device="meta") for _ in range(3))
-    portable = catalog.get("recompute")
-    path, reason, schedule = choose_path("auto", catalog.AUTO, portable, q, k, v, None, causal,
-                                         window)
-    assert (path, reason) == (dispatch.HOPPER, None)
-    assert window_fallback(schedule, causal, window)[0].name == expected
-    path, _, schedule = choose_path("portable", catalog.AUTO, portable, q, k, v, None, causal,
-                                    (-1, -1))
-    assert (path, schedule.name) == (dispatch.PORTABLE, "recompute")
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_auto_runs_hopper_shift(causal):
+    """On packed sequences ``shift`` led every deterministic schedule, causal and unmasked (H100,
+    bench/packed_paths.py): "auto" runs it on the Hopper kernel."""
+    for dim in (64, 128):
+        assert dispatch.auto_schedule(dispatch.HOPPER, causal, True, dim, False).name == "shift"
+
+
+def test_a_schedule_that_does_not_fit_falls_back_and_says_why():
+    shift = catalog.get("shift")
+    with pytest.warns(RuntimeWarning, match="needs 40 co-resident programs"):
+        fitted, reason = dispatch.fit_schedule(shift, False, (-1, -1), 40, lambda s: 32, "q (x)")
+    assert fitted.name == catalog.fallback(False) and "the GPU holds 32" in reason
+    assert dispatch.fit_schedule(shift, False, (-1, -1), 32, lambda s: 32, "q") == (shift, None)
+    fitted, reason = dispatch.fit_schedule(shift, True, (64, 0), 4, lambda s: 1 << 30, "q")
+    assert fitted.name == catalog.fallback(True) and "no sliding-window ranks" in reason
 
 
 def test_hopper_grid_keeps_each_heads_equal_items_in_one_round():
     """Ordered schedules whose items of a head are equally long run on a multiple of a head's
     items (``config.ordered_programs``); unequal ones (causal unpaired, windows, packed) and the
     unordered ones keep every SM (132 here, as an H100)."""
-    from dash_inductor.ops import catalog
-    from dash_inductor.ops.hopper.config import backward_config
-    from dash_inductor.ops.hopper.launch import _geometry
+    from dash_inductor.ops.hopper.config import backward_config, backward_geometry
 
     def programs(name, causal, n_kv=32, windowed=False, varlen=False, aligned=True):
         cfg = dataclasses.replace(backward_config(128, causal), aligned_grid=aligned)
-        per_head, items, grid, _ = _geometry(catalog.get(name), cfg, 4, 16, n_kv, causal, 1,
-                                             True, windowed, varlen, 132)
+        per_head, items, grid, _ = backward_geometry(catalog.get(name), cfg, 4, 16, n_kv, causal,
+                                                     1, True, windowed, varlen, 132)
         assert items == 4 * 16 * per_head
         return grid[0]
 
@@ -198,9 +184,54 @@ def test_heads_outer_only_for_paired_gqa_items_at_head_dim_128(dim, schedule, ca
     from dash_inductor.ops.hopper.config import backward_config, backward_constexprs
 
     cfg = backward_config(dim, causal)
+    sched = catalog.get(schedule)
     expected = dim == 128 and schedule == "shift" and causal and group > 2
-    constexprs = backward_constexprs(schedule, causal, group, True, cfg)
+    constexprs = backward_constexprs(sched, causal, group, True, cfg)
     assert constexprs["VISIT_HEADS"] == (2 if expected else group)
     for window, varlen in ((True, False), (False, True)):
-        assert backward_constexprs(schedule, causal, group, True, cfg, window,
+        assert backward_constexprs(sched, causal, group, True, cfg, window,
                                    varlen)["VISIT_HEADS"] == group
+
+
+def _call(q, k, v, **options):
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+    return dispatch.attention_forward(q, k, v, None, out, lse, is_causal=True, scale=0.125,
+                                      **options)
+
+
+def test_a_signature_seen_before_is_a_cache_hit_that_runs_no_dispatch_logic(monkeypatch):
+    """The second call of a signature takes its plan from the cache: none of the decisions runs
+    again (here they would raise), and the cache counts one miss and one hit."""
+    q, k, v = _qkv()
+    first = _call(q, k, v)
+    assert dispatch.cache_info() == dispatch.CacheInfo(0, 1, dispatch._MAXSIZE, 1)
+
+    def planned_again(*args, **kwargs):
+        raise AssertionError("dispatch logic ran for a signature already planned")
+
+    for name in ("_plan_forward", "_forward_path", "_hopper_unsupported", "forward_config"):
+        monkeypatch.setattr(dispatch, name, planned_again)
+    q2, k2, v2 = _qkv()  # other tensors, the same signature
+    assert _call(q2, k2, v2) is first
+    assert dispatch.cache_info() == dispatch.CacheInfo(1, 1, dispatch._MAXSIZE, 1)
+
+
+def test_each_part_of_the_signature_plans_anew():
+    """Shapes, strides, alignment, dtype and the options each make a new signature."""
+    q, k, v = _qkv()
+    _call(q, k, v)
+    _call(*_qkv(seq=65))
+    _call(q.transpose(1, 2).contiguous().transpose(1, 2), k, v)
+    _call(torch.randn(2 * q.numel() + 1)[1:q.numel() + 1].view(q.shape), k, v)
+    _call(q, k, v, kernel="portable")
+    _call(q, k, v, window=(8, -1))
+    assert dispatch.cache_info().misses == 6 and dispatch.cache_info().hits == 0
+    dispatch.cache_clear()
+    assert dispatch.cache_info() == dispatch.CacheInfo(0, 0, dispatch._MAXSIZE, 0)
+
+
+def test_the_cache_keeps_at_most_its_size(monkeypatch):
+    monkeypatch.setattr(dispatch, "_MAXSIZE", 3)
+    for seq in range(16, 21):
+        _call(*_qkv(seq=seq))
+    assert dispatch.cache_info().currsize == 3

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dash_inductor.ops.dq_convert import convert_dq
+from dash_inductor.ops.launch import Launches
 
 LAYOUTS = {
     "bhle": lambda b, h, l, e, dt: torch.empty(b, h, l, e, dtype=dt),
@@ -25,6 +26,6 @@ def test_conversion_equals_pytorchs_copy(shape, layout, dtype):
     batch = 1 if layout == "packed" else batch  # packed gradients are one batch entry
     acc = torch.randn(batch * heads, rows, head_acc, generator=torch.Generator().manual_seed(0))
     dq = LAYOUTS[layout](batch, heads, seq, e, dtype).fill_(float("nan"))
-    convert_dq(acc, dq)
+    convert_dq(Launches(), acc, dq)
     expected = acc.view(batch, heads, rows, head_acc)[:, :, :seq, :e].to(dtype)
     assert torch.equal(dq, expected)

@@ -18,6 +18,7 @@ from dash_inductor import schedule
 from dash_inductor.ops import catalog
 from dash_inductor.ops.hopper.dq_tail import CHUNKS, chunk_rows
 from dash_inductor.ops.hopper.packed_prep import packed_prepare
+from dash_inductor.ops.launch import Launches
 from dash_inductor.packed_schedule import packed_plans
 
 BLOCK_N = 16
@@ -33,7 +34,8 @@ def item_prefix(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: i
     out = torch.randn(total_q, 1, 16)
     lse = torch.randn(1, total_q)
     _, _, prefix = packed_prepare(out, out, lse, cu_q, cu_k, total_k, max_q, max_k,
-                                  block_m=options["block_n"] // 2, with_prefix=True, **options)
+                                  block_m=options["block_n"] // 2, with_prefix=True,
+                                  launches=Launches(), **options)
     return prefix
 
 
@@ -165,7 +167,8 @@ def test_the_claimed_deal_runs_where_the_deal_is_unpadded_and_the_config_asks(ca
 
     for head_dim, name, varlen in itertools.product((64, 128), catalog.NAMES, (False, True)):
         cfg = backward_config(head_dim, causal, packed=varlen)
-        constexprs = backward_constexprs(name, causal, 1, False, cfg, varlen=varlen)
+        constexprs = backward_constexprs(catalog.get(name), causal, 1, False, cfg, varlen=varlen)
         assert constexprs["CLAIMED"] == (causal and constexprs["UNPADDED"])
     off = HopperBackwardConfig(claimed_deal=False)
-    assert not backward_constexprs("shift", causal, 1, False, off, varlen=True)["CLAIMED"]
+    assert not backward_constexprs(catalog.get("shift"), causal, 1, False, off,
+                                   varlen=True)["CLAIMED"]

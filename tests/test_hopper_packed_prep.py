@@ -12,6 +12,7 @@ import torch
 
 from dash_inductor.ops import catalog
 from dash_inductor.ops.hopper.packed_prep import packed_prepare
+from dash_inductor.ops.launch import Launches
 from dash_inductor.ops.preprocess import compute_delta
 from dash_inductor.ops.tiles import LOG2E
 
@@ -34,10 +35,11 @@ def test_rows_land_where_the_aligned_boxes_read_them(seed, aligned, dtype):
     stats, row_stride, prefix = packed_prepare(
         out, grad_out, lse, _offsets(lens_q), _offsets(lens_k), sum(lens_k), max(lens_q),
         max(lens_k), aligned=aligned, causal=aligned, schedule=catalog.get("descending"),
-        block_m=box, block_n=2 * box, with_prefix=False)
+        block_m=box, block_n=2 * box, with_prefix=False, launches=Launches())
     assert prefix is None and row_stride % 4 == 0
     stats = stats.view(2, heads, row_stride)
-    delta = compute_delta(out.transpose(0, 1).unsqueeze(0), grad_out.transpose(0, 1).unsqueeze(0))
+    delta = compute_delta(out.transpose(0, 1).unsqueeze(0), grad_out.transpose(0, 1).unsqueeze(0),
+                          Launches())
     lse2 = lse * LOG2E
     lse2[lse2 == -math.inf] = math.inf
     padding = torch.ones(row_stride, dtype=torch.bool)
@@ -75,7 +77,7 @@ def test_rows_a_first_store_may_miss_are_zeroed_in_the_accumulator(aligned):
     packed_prepare(out, grad_out, lse, _offsets(lens_q), _offsets(lens_k), sum(lens_k),
                    max(lens_q), max(lens_k), aligned=aligned, causal=aligned,
                    schedule=catalog.get("shift"), block_m=16, block_n=32, with_prefix=False,
-                   keyless_rows=acc)
+                   keyless_rows=acc, launches=Launches())
     q0, box = 0, 16
     for lq, lk in zip(lens_q, lens_k):
         q_lo = max(lk - lq, 0) if aligned else 0

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dash_inductor
+from dash_inductor import shapes
 
 
 def _qkv(q=(2, 3, 5, 8), k=(2, 3, 7, 8), v=None, dtype=torch.float32):
@@ -49,6 +51,29 @@ def test_error_names_argument_and_form(name):
         dash_inductor.attention(*make(), **kwargs)
 
 
+def _nested(layout: torch.layout) -> torch.Tensor:
+    return torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)], layout=layout)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided])
+@pytest.mark.parametrize("argument", ["query", "key", "value"])
+def test_nested_tensors_are_refused_by_name(layout, argument):
+    """The public entries call ``check_not_nested`` before the op, where the dispatcher would
+    reject a nested tensor without naming it; the op's own validation says the same."""
+    dense = torch.randn(2, 2, 4, 8)
+    args = {"query": dense, "key": dense, "value": dense, argument: _nested(layout)}
+    message = (rf"^dash.attention: {argument} is a nested tensor \(layout {layout}\); nested "
+               rf"tensors are not supported. .*dash_inductor.varlen_attention")
+    with pytest.raises(ValueError, match=message):
+        shapes.check_not_nested(*args.values())
+    with pytest.raises(ValueError, match=message):
+        shapes.canonicalize(*args.values())
+    with pytest.raises(ValueError, match=rf"^dash.varlen_attention: {argument} is a nested"):
+        shapes.check_not_nested(*args.values(), where="dash.varlen_attention")
+    shapes.check_not_nested(dense, dense, dense)
+
+
 def test_error_also_at_trace_time():
     """The fake kernel validates too, so torch.compile reports the same message."""
     torch._dynamo.reset()
@@ -72,6 +97,37 @@ def test_config_rejects_unknown_values():
         with dash_inductor.config.patch(shedule="shift"):
             pass
     assert dash_inductor.config.schedule == "auto"
+
+
+@pytest.mark.parametrize("name, value, error, message", [
+    ("shedule", "shift", AttributeError,
+     r"no option 'shedule'; options: \['cpu_backend', 'kernel', 'max_spin', 'rewrite', 'schedule'\]"),
+    ("schedule", "fast", ValueError, r"config.schedule must be one of \('auto', "),
+    ("max_spin", -3, ValueError, r"config.max_spin must be a positive int, got -3"),
+    ("max_spin", 2.5, ValueError, r"config.max_spin must be a positive int, got 2.5"),
+    ("rewrite", "sometimes", ValueError, r"config.rewrite must be one of"),
+])
+def test_config_assignment_raises_as_patch_does(name, value, error, message):
+    """A typo or a bad value fails where it is assigned, not at some later call."""
+    config = dash_inductor.config
+    before = {option: config.get(option) for option in (*config.CHOICES, "rewrite")}
+    with pytest.raises(error, match=message):
+        setattr(config, name, value)
+    with pytest.raises(error, match=message):
+        with config.patch(**{name: value}):
+            pass
+    assert not hasattr(config, "shedule")
+    assert {option: config.get(option) for option in before} == before
+
+
+def test_config_assignment_of_a_good_value_holds_until_changed(monkeypatch):
+    config = dash_inductor.config
+    monkeypatch.setattr(config, "schedule", "shift")  # plain assignments, undone after the test
+    monkeypatch.setattr(config, "max_spin", 7)
+    assert config.choices()["schedule"] == "shift" and config.get("max_spin") == 7
+    with config.patch(schedule="descending"):
+        assert config.schedule == "descending"
+    assert config.schedule == "shift"
 
 
 def test_atomic_schedule_refused_under_deterministic_algorithms(restore_deterministic_algorithms):
@@ -101,3 +157,80 @@ def test_bad_choices_name_the_argument():
         dash_inductor.attention(q, k, v, kernel="cuda")
     with pytest.raises(ValueError, match=r"kernel must be one of"):
         torch.ops.dash.attention(q, k, v, kernel_path="cuda")
+
+
+@pytest.mark.parametrize("cpu_backend", ["reference", "triton"])
+def test_atomic_is_refused_on_every_path(restore_deterministic_algorithms, cpu_backend):
+    """The check does not depend on the device or the path: the CPU reference refuses ``atomic``
+    under deterministic algorithms as the GPU does, so code that passes on a laptop passes on the
+    cluster; through the op too."""
+    q, k, v = _qkv(q=(1, 1, 8, 16), k=(1, 1, 8, 16))
+    torch.use_deterministic_algorithms(True)
+    with dash_inductor.config.patch(cpu_backend=cpu_backend):
+        with pytest.raises(RuntimeError, match=r"schedule='atomic' .* not deterministic"):
+            dash_inductor.attention(q.requires_grad_(), k, v, schedule="atomic")
+        with pytest.raises(RuntimeError, match=r"schedule='atomic' .* not deterministic"):
+            torch.ops.dash.attention(q, k, v, schedule="atomic", cpu_backend=cpu_backend)
+
+
+def _sdpa_call_forms(q, k, v, mask):
+    """SDPA's positional and keyword call forms, as its documentation writes them."""
+    return [((q, k, v), {}), ((q, k, v, None, 0.0, True), {}), ((q, k, v, mask), {}),
+            ((q, k, v, None, 0.0, False), dict(scale=0.3)),
+            ((q, k, v, None, 0.0, True), dict(scale=None, enable_gqa=False)),
+            ((q, k, v), dict(is_causal=True, scale=0.5)),
+            ((q, k, v), dict(attn_mask=mask, dropout_p=0.0, scale=0.2)),
+            ((q, k, v, mask, 0.0), dict(enable_gqa=False))]
+
+
+def test_sdpa_positional_and_keyword_calls_give_sdpas_results():
+    """Every SDPA call form, positional included, gives SDPA's result in float64 (no silent
+    difference), through ``dash_inductor.attention`` and the op."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 3, 9, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(9, 9, generator=gen) > 0.3
+    mask[:, 0] = True
+    for args, kwargs in _sdpa_call_forms(q, k, v, mask):
+        expected = F.scaled_dot_product_attention(*args, **kwargs)
+        torch.testing.assert_close(dash_inductor.attention(*args, **kwargs), expected,
+                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.ops.dash.attention(*args, **kwargs)[0], expected,
+                                   rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(is_causal=0.0), "is_causal must be a bool"), (dict(is_causal=1.5), "is_causal must be"),
+    (dict(is_causal=None), "is_causal must be a bool"), (dict(enable_gqa=1), "enable_gqa must be"),
+    (dict(scale="0.1"), "scale must be a float or None"), (dict(scale=True), "scale must be"),
+    (dict(dropout_p=0.1), "dropout_p=0.1 is not supported"),
+    (dict(dropout_p="0"), "dropout_p must be a float")])
+def test_bad_sdpa_flags_raise_naming_the_argument(kwargs, match):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=match):
+        dash_inductor.attention(q, k, v, **kwargs)
+
+
+def test_the_op_refuses_dropout_passed_where_sdpa_has_it():
+    """The op's schema keeps SDPA's order, dropout_p included, and takes the choices by keyword
+    only: an SDPA-ordered positional call cannot shift into is_causal or scale."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"dropout_p=0.5 is not supported"):
+        torch.ops.dash.attention(q, k, v, None, 0.5, True)
+    with pytest.raises((RuntimeError, TypeError)):  # scale is keyword-only, as in SDPA
+        torch.ops.dash.attention(q, k, v, None, 0.0, True, 0.5)
+    with pytest.raises(TypeError):
+        dash_inductor.attention(q, k, v, None, 0.0, True, 0.5)
+
+
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided])
+def test_nested_inputs_are_refused_by_name_at_the_entry_points(layout):
+    """The dispatcher would reject a nested tensor with a bare NotImplementedError before the op's
+    own checks: the public entries say what is wrong first."""
+    nested = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)], layout=layout)
+    q = torch.randn(2, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"^dash.attention: query is a nested tensor"):
+        dash_inductor.attention(nested, q, q)
+    packed = torch.randn(6, 2, 8)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"key is a nested tensor"):
+        dash_inductor.varlen_attention(packed, nested, packed, cu, cu, 6, 6)

@@ -14,6 +14,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dash_inductor.ops import preprocess  # noqa: E402
+from dash_inductor.ops.launch import Launches  # noqa: E402
 from dash_inductor.ops.tiles import LOG2E  # noqa: E402
 
 
@@ -53,7 +54,8 @@ def test_hopper_stats_accumulator_and_tickets(garbage_buffers, seq, ev, acc_dim,
     batch, heads, rows = 2, 3, -(-seq // 128) * 128
     out, grad_out, lse = _inputs(batch, heads, seq, ev, transposed)
     prep = preprocess.prepare(out, grad_out, lse, row_stride=rows, acc_rows=rows,
-                              acc_dim=acc_dim, ticket_rows=64, with_lse2=True)
+                              acc_dim=acc_dim, ticket_rows=64, with_lse2=True,
+                              launches=Launches())
     lse2, delta = prep.stats.view(2, batch * heads, rows)
     expected = lse.flatten(0, 1) * LOG2E
     expected[expected == -math.inf] = math.inf
@@ -75,7 +77,8 @@ def test_portable_delta_and_small_tickets(garbage_buffers, acc_dim):
     batch, heads, seq, ev, acc_rows = 1, 2, 90, 48, 96
     out, grad_out, lse = _inputs(batch, heads, seq, ev, False)
     prep = preprocess.prepare(out, grad_out, lse, row_stride=seq, acc_rows=acc_rows,
-                              acc_dim=acc_dim, ticket_rows=16, with_lse2=False)
+                              acc_dim=acc_dim, ticket_rows=16, with_lse2=False,
+                              launches=Launches())
     torch.testing.assert_close(prep.stats.double(), _delta(out, grad_out), rtol=1e-5, atol=1e-5)
     if acc_dim:
         assert prep.dq_acc.shape == (batch * heads, acc_rows, acc_dim)
@@ -89,5 +92,5 @@ def test_portable_delta_and_small_tickets(garbage_buffers, acc_dim):
 
 def test_compute_delta_alone():
     out, grad_out, _ = _inputs(1, 2, 77, 64, True)
-    torch.testing.assert_close(preprocess.compute_delta(out, grad_out).double(),
+    torch.testing.assert_close(preprocess.compute_delta(out, grad_out, Launches()).double(),
                                _delta(out, grad_out), rtol=1e-5, atol=1e-5)

@@ -172,6 +172,7 @@ def _bad(**changes):
     (dict(max_k=2), "max_k=2 is smaller than the longest sequence in cu_seq_k"),
     (dict(max_k=-1), "max_k must be a non-negative int"),
     (dict(window_size=(-2, 0)), "window_size values must be >= -1"),
+    (dict(window_size=(0, 2**63)), r"window_size values must be >= -1 and <= 2\*\*63 - 1"),
     (dict(key=torch.randn(7, 3, 8), value=torch.randn(7, 3, 8), query=torch.randn(7, 4, 8),
           enable_gqa=True), r"query heads \(4\) must be a multiple .* key/value heads \(3\)"),
     (dict(key=torch.randn(7, 1, 8), value=torch.randn(7, 1, 8)),

@@ -22,7 +22,8 @@ import torch
 from hypothesis import given, settings
 
 from dash_inductor import config, library, pytest_plugin
-from dash_inductor.ops import catalog, offsets, packed
+from dash_inductor.ops import catalog, dispatch, offsets, packed
+from dash_inductor.ops.launch import Launches
 from dash_inductor.varlen import varlen_attention
 from tests.test_varlen import _assert_packing_invariant, _check, _offsets, packings
 
@@ -92,7 +93,7 @@ def test_one_launch_per_pass_with_a_plan_each():
     assert [plan.op for plan in plans] == ["forward", "backward"]
     assert plans[0].grid == (4 * 2, 5)  # sequences x heads, Q tiles of max_q
     assert "packed sequences" in plans[0].kernel_reason  # no Hopper forward takes offsets
-    assert plans[1].kernel == "portable" and plans[1].schedule == "shift"
+    assert plans[1].kernel == "portable" and plans[1].schedule.name == "shift"
     assert plans[1].kernel_reason.startswith("device 'cpu'")  # the Hopper backward would
 
 
@@ -106,7 +107,7 @@ def test_no_launch_when_one_side_has_no_tokens(lens_q, lens_k, schedule):
     k, v = torch.randn(tk, hq, 16), torch.randn(tk, hq, 16)
     lse = torch.full((hq, tq), float("-inf"))
     dq, dk, dv = (torch.randn_like(t) for t in (q, k, v))
-    plan = packed.varlen_backward(do, q, k, v, out, lse, _offsets(lens_q), _offsets(lens_k),
+    plan = dispatch.varlen_backward(do, q, k, v, out, lse, _offsets(lens_q), _offsets(lens_k),
                                   max(lens_q), max(lens_k), dq, dk, dv, is_causal=True,
                                   scale=0.25, schedule=schedule)
     assert plan.grid == ()
@@ -128,12 +129,12 @@ def test_packed_backward_writes_every_gradient_element(case, schedule):
     cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
     causal, kernel_window = window == (-1, 0), (window if window != (-1, 0) else (-1, -1))
     out, lse = torch.empty_like(q), torch.empty(hq, tq)
-    packed.varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), out, lse,
+    dispatch.varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), out, lse,
                           is_causal=causal, scale=0.25, window=kernel_window)
 
     def backward(fill: float):
         grads = [torch.full_like(t, fill) for t in (q, k, v)]
-        packed.varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+        dispatch.varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
                                *grads, is_causal=causal, scale=0.25, schedule=schedule,
                                window=kernel_window)
         return grads
@@ -162,10 +163,10 @@ def test_packed_launchers_never_read_the_offsets_on_the_host():
     cu = _offsets(lens).as_subclass(_Unreadable)
     q, k, v, do = (torch.randn(75, 2, 16) for _ in range(4))
     out, lse = torch.empty_like(q), torch.empty(2, 75)
-    packed.varlen_forward(q, k, v, cu, cu, 45, 45, out, lse, is_causal=True, scale=0.25)
+    dispatch.varlen_forward(q, k, v, cu, cu, 45, 45, out, lse, is_causal=True, scale=0.25)
     grads = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for schedule in catalog.DETERMINISTIC:
-        packed.varlen_backward(do, q, k, v, out, lse, cu, cu, 45, 45, *grads, is_causal=True,
+        dispatch.varlen_backward(do, q, k, v, out, lse, cu, cu, 45, 45, *grads, is_causal=True,
                                scale=0.25, schedule=schedule)
 
 
@@ -180,11 +181,11 @@ def test_device_check_of_the_offsets_names_the_breach(cu_q, cu_k, max_q, max_k, 
     """The flag the CUDA path watches, computed here by the same kernel in the interpreter; the
     message is the host check's (the same definition), without the values."""
     cu_q, cu_k = torch.tensor(cu_q), torch.tensor(cu_k, dtype=torch.int32)
-    code = int(packed.offsets_flag(cu_q, cu_k, (7, 7), (max_q, max_k))[0])
+    code = int(packed.offsets_flag(Launches(), cu_q, cu_k, (7, 7), (max_q, max_k))[0])
     message = offsets.device_breach(code, (7, 7), (max_q, max_k))
     assert message.startswith("dash.varlen_attention: ") and re.search(match, message)
     good = torch.tensor([0, 3, 7], dtype=torch.int32)
-    assert int(packed.offsets_flag(good, good, (7, 7), (4, 4))[0]) == 0
+    assert int(packed.offsets_flag(Launches(), good, good, (7, 7), (4, 4))[0]) == 0
 
 
 def test_broken_offsets_touch_nothing_outside_their_sequences():
@@ -193,11 +194,11 @@ def test_broken_offsets_touch_nothing_outside_their_sequences():
     cu = torch.tensor([0, 10, 60, 70], dtype=torch.int32)
     q, k, v, do = (torch.randn(70, 1, 16) for _ in range(4))
     out, lse = torch.full_like(q, 7.0), torch.full((1, 70), 7.0)
-    packed.varlen_forward(q, k, v, cu, cu, 16, 16, out, lse, is_causal=False, scale=0.25)
+    dispatch.varlen_forward(q, k, v, cu, cu, 16, 16, out, lse, is_causal=False, scale=0.25)
     assert (out[10:60] == 7).all() and (lse[:, 10:60] == 7).all()
     assert (out[:10] != 7).all() and (out[60:] != 7).all()
     dq, dk, dv = torch.full_like(q, 7.0), torch.zeros_like(k), torch.zeros_like(v)
-    packed.varlen_backward(do, q, k, v, out, lse, cu, cu, 16, 16, dq, dk, dv, is_causal=True,
+    dispatch.varlen_backward(do, q, k, v, out, lse, cu, cu, 16, 16, dq, dk, dv, is_causal=True,
                            scale=0.25, schedule="ascending")
     assert (dk[10:60] == 0).all() and (dk[:10] != 0).any()
 
@@ -206,7 +207,7 @@ def test_hopper_has_no_packed_launch():
     cu = torch.tensor([0, 4], dtype=torch.int32)
     q = torch.randn(4, 1, 16)
     with pytest.raises(ValueError, match="kernel='hopper' cannot run packed sequences"):
-        packed.varlen_forward(q, q, q, cu, cu, 4, 4, torch.empty_like(q), torch.empty(1, 4),
+        dispatch.varlen_forward(q, q, q, cu, cu, 4, 4, torch.empty_like(q), torch.empty(1, 4),
                               is_causal=False, scale=0.25, kernel="hopper")
 
 
@@ -217,7 +218,7 @@ def _compile_for_sm90() -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from dash_inductor.ops import backward, dq_convert, dq_pass, forward, preprocess
+    from dash_inductor.ops import backward, dq_convert, dq_pass, forward, launch, preprocess
     from dash_inductor.ops.configs import backward_config, forward_config
 
     types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
@@ -251,20 +252,23 @@ def _compile_for_sm90() -> list[dict]:
                          (preprocess, "_preprocess_kernel"), (dq_pass, "_backward_dq_kernel"),
                          (packed, "_check_offsets_kernel"), (dq_convert, "_convert_kernel")):
         setattr(module, name, Compile(getattr(module, name)))
+    # Launch through Triton's own ``kernel[grid]``, which the stand-ins above replace.
+    launch.Launches.__call__ = lambda self, slot, kernel, grid, args, constexprs: kernel[grid](
+        *args, **constexprs)
     backward.coresident_programs = lambda *args: 264
     backward.watch_spin_flag = packed.watch_spin_flag = lambda *args: None
     cu = torch.tensor([0, 5, 75, 75, 108], dtype=torch.int32)
     q, k = torch.zeros(108, 4, 128, dtype=torch.bfloat16), torch.zeros(108, 2, 128, dtype=torch.bfloat16)
     out, lse = torch.zeros_like(q), torch.zeros(4, 108)
-    packed.varlen_forward(q, k, k, cu, cu, 70, 70, out, lse, is_causal=True, scale=0.1,
+    dispatch.varlen_forward(q, k, k, cu, cu, 70, 70, out, lse, is_causal=True, scale=0.1,
                           window=(8, -1), config=forward_config(128, q.dtype, True, 9))
     for schedule, causal, window in (("shift", True, (-1, -1)), ("ascending", False, (16, 4)),
                                      ("recompute", True, (8, -1))):
-        packed.varlen_backward(out, q, k, k, out, lse, cu, cu, 70, 70, torch.zeros_like(q),
+        dispatch.varlen_backward(out, q, k, k, out, lse, cu, cu, 70, 70, torch.zeros_like(q),
                                torch.zeros_like(k), torch.zeros_like(k), is_causal=causal, scale=0.1,
                                schedule=schedule, window=window,
                                config=backward_config(128, q.dtype, causal, 9))
-    packed.offsets_flag(cu, cu, (108, 108), (70, 70))
+    packed.offsets_flag(Launches(), cu, cu, (108, 108), (70, 70))
     return compiled
 
 
@@ -274,7 +278,7 @@ def test_packed_kernels_compile_for_sm90():
     check compile."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=900)
+                         cwd=ROOT)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [json.loads(line) for line in run.stdout.splitlines()]
     kernels = {(row["kernel"], row["schedule"]) for row in rows}

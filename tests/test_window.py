@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import dash_inductor
 from dash_inductor import config, pytest_plugin
+from dash_inductor.window import check_window
 from tests._reference import sdpa_math, tolerance
 
 CI = settings.get_profile(pytest_plugin.CI_PROFILE)
@@ -94,11 +95,19 @@ def test_causal_window_is_right_side_zero():
     ((3,), "window_size must be a pair"),
     ("ab", "window_size must be a pair"),
     ((1.5, 0), "window_size left must be an int"),
+    ((2**63, 0), r"window_size values must be >= -1 and <= 2\*\*63 - 1 \(int64"),
+    ((0, -2**70), r"window_size values must be >= -1 and <= 2\*\*63 - 1 \(int64"),
 ])
 def test_bad_window_raises(window, match):
     q = torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match=match):
         dash_inductor.attention(q, q, q, window_size=window)
+
+
+def test_check_window_takes_every_int64_side():
+    assert check_window((2**63 - 1, -1), "dash.attention") == (2**63 - 1, -1)
+    with pytest.raises(ValueError, match=r"^dash.varlen_attention: window_size values must be "):
+        check_window((-1, 2**63), "dash.varlen_attention")
 
 
 def test_opcheck_attention_with_window():
@@ -137,5 +146,5 @@ def test_shift_falls_back_under_a_window_and_says_so(is_causal, fallback):
         dash_inductor.attention(q, q, q, is_causal=is_causal, window_size=(6, -1),
                                 schedule="shift").sum().backward()
     plan = dash_inductor.library.last_plans()[-1]
-    assert (plan.schedule_requested, plan.schedule) == ("shift", fallback)
+    assert (plan.schedule_requested, plan.schedule.name) == ("shift", fallback)
     assert "no sliding-window ranks" in plan.fallback

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from dash_inductor import config
-from dash_inductor.library import check_schedule_allowed
+from dash_inductor.library import check_schedule_allowed, op_options
 
 #: (qualified op name, dispatch key) -> (PyTorch's kernel or None if it has none there, keyset),
 #: for every op the provider has overridden at that key.
@@ -87,12 +87,19 @@ def bind(name: str, args: tuple, kwargs: dict[str, Any]) -> tuple[dict[str, Any]
 
 
 def choices(query: Tensor) -> tuple:
-    """The backward's choices (``config.CHOICES``) in force now, as the ``dash::`` ops take them.
-    Under deterministic algorithms a non-deterministic schedule is refused (or warned about), as
-    ``dash_inductor.attention`` does."""
+    """The backward's choices (``config.CHOICES``) in force now, as the ``dash::varlen`` ops take
+    them. Under deterministic algorithms a non-deterministic schedule is refused (or warned
+    about), as ``dash_inductor.attention`` does."""
     values = config.choices()
-    check_schedule_allowed(query, values["schedule"], values["cpu_backend"])
+    check_schedule_allowed(values["schedule"])
     return tuple(values.values())
+
+
+def options(query: Tensor, window: tuple[int, int] = (-1, -1)) -> dict:
+    """The same as the ``dash::attention`` ops' keyword arguments."""
+    values = config.choices()
+    check_schedule_allowed(values["schedule"])
+    return op_options(values, window)
 
 
 def like(result: Tensor, like_: Tensor) -> Tensor:

@@ -97,9 +97,9 @@ def sdpa_flash_forward(query: Tensor, key: Tensor, value: Tensor, dropout_p: flo
         return kernel_support.call_original(
             SDPA_FORWARD, query.device, (query, key, value, dropout_p, is_causal,
                                          return_debug_mask), {"scale": scale})
-    out, lse = torch.ops.dash.attention(query, key, value, None, is_causal, scale,
-                                        _gqa(query, key), [-1, -1],
-                                        *kernel_support.choices(query))
+    out, lse = torch.ops.dash.attention(query, key, value, None, 0.0, is_causal, scale=scale,
+                                        enable_gqa=_gqa(query, key),
+                                        **kernel_support.options(query))
     seed = torch.zeros((2,), dtype=torch.uint64, device=query.device)
     offset = torch.zeros((), dtype=torch.uint64, device=query.device)
     debug = torch.empty(0, dtype=query.dtype, device=query.device)
@@ -122,7 +122,7 @@ def sdpa_flash_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Ten
              dropout_p, is_causal, philox_seed, philox_offset), {"scale": scale})
     dq, dk, dv = torch.ops.dash.attention_backward(
         grad_out, query, key, value, out, logsumexp, None, is_causal, scale, _gqa(query, key),
-        [-1, -1], *kernel_support.choices(query))
+        **kernel_support.options(query))
     return (kernel_support.like(dq, query), kernel_support.like(dk, key),
             kernel_support.like(dv, value))
 

@@ -22,6 +22,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from .backward import backward_kernel
 from .forward import forward_kernel
 from ..catalog import NAMES
+from ..catalog import get as get_schedule
 from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
                      backward_constexprs, forward_constexprs)
 
@@ -39,8 +40,8 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
                      window: bool = False, varlen: bool = False):
     """The compiled backward kernel (``triton.compiler.CompiledKernel``) for one variant, for sm90."""
     cfg = cfg or backward_config(head_dim, causal, packed=varlen)
-    constexprs = backward_constexprs(schedule, causal, group, even_s and not varlen, cfg, window,
-                                     varlen)
+    constexprs = backward_constexprs(get_schedule(schedule), causal, group, even_s and not varlen,
+                                     cfg, window, varlen)
     q_block = _descriptor(dtype, [1, 1, cfg.block_m, head_dim])
     kv_block = _descriptor(dtype, [1, 1, cfg.block_n, head_dim])
     stats_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m], gl.float32)

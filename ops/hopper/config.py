@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..catalog import ORDERED
+from ..catalog import ORDERED, Schedule
 from ..catalog import get as get_schedule
 
 #: Head dims (E = Ev) the Hopper kernels are built for.
@@ -280,11 +280,11 @@ def tail_convert(cfg: HopperBackwardConfig, schedule: str, varlen: bool) -> bool
     return cfg.tail_convert and unpadded_deal(cfg, schedule, varlen)
 
 
-def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
+def backward_constexprs(sched: Schedule, causal: bool, group: int, even_s: bool,
                         cfg: HopperBackwardConfig, window: bool = False,
                         varlen: bool = False) -> dict[str, object]:
     """The kernel's compile-time arguments for one launch."""
-    sched = get_schedule(schedule)
+    schedule = sched.name
     return dict(GROUP=group, CAUSAL=causal, SCHEDULE=sched.id, NUM_SLOTS=sched.slots(causal),
                 COMPUTE_DQ=not sched.separate_dq, ORDERED=sched.ordered, EVEN_S=even_s,
                 WINDOW=window, VARLEN=varlen,
@@ -298,3 +298,19 @@ def backward_constexprs(schedule: str, causal: bool, group: int, even_s: bool,
                 CLAIMED=cfg.claimed_deal and unpadded_deal(cfg, schedule, varlen),
                 LOAD_REGS=cfg.load_regs,
                 WRITER_REGS=cfg.writer_regs, num_warps=cfg.num_warps)
+
+
+def backward_geometry(schedule: Schedule, cfg: HopperBackwardConfig, batch: int, hkv: int,
+                      n_kv: int, is_causal: bool, group: int, even_s: bool, windowed: bool,
+                      varlen: bool, sms: int) -> tuple[int, int, tuple[int], dict[str, object]]:
+    """(items per head, items, grid, constexprs) of a backward launch, which shapes and options
+    alone decide."""
+    per_head = schedule.items_per_head(n_kv, is_causal)
+    total_items = batch * hkv * per_head
+    # A head's items are equally long unless a window, the packing or an unpaired causal mask
+    # gives them different numbers of Q tiles.
+    equal_items = not (windowed or varlen) and (not is_causal or schedule.paired_when_causal)
+    aligned = cfg.aligned_grid and schedule.ordered and equal_items
+    programs = ordered_programs(per_head, sms) if aligned else sms
+    return per_head, total_items, (min(total_items, programs),), backward_constexprs(
+        schedule, is_causal, group, even_s, cfg, windowed, varlen)

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .. import catalog
 from ..configs import head_dim_bucket
+from ..launch import Launches
 from ..preprocess import BLOCK, row_delta
 from ..tiles import crosses_edge, diagonal_origin, exp2_logsumexp, sequence_bounds
 from .deal import MAX_SORTED, write_item_prefix
@@ -114,7 +115,7 @@ def _packed_prep_kernel(O, DO, LSE, CU_Q, CU_K, STATS, PREFIX, DQACC,
 def packed_prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
                    cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, total_k: int, max_q: int,
                    max_k: int, *, aligned: bool, causal: bool, schedule: catalog.Schedule,
-                   block_m: int, block_n: int, with_prefix: bool,
+                   block_m: int, block_n: int, with_prefix: bool, launches: Launches,
                    keyless_rows: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """(stats (2, Hq * row_stride), row_stride, the deal's prefix or None) for (Tq, Hq, Ev)
@@ -127,15 +128,15 @@ def packed_prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
     stats = torch.empty((2, heads * row_stride), device=out.device, dtype=torch.float32)
     prefix = (torch.empty(2 * num_seqs + 1, device=out.device, dtype=torch.int32)
               if with_prefix else None)
-    _packed_prep_kernel[(triton.cdiv(row_stride, BLOCK), heads)](
+    launches("packed_prepare", _packed_prep_kernel, (triton.cdiv(row_stride, BLOCK), heads), (
         out, grad_out, lse.contiguous(), cu_seq_q, cu_seq_k, stats,
         stats if prefix is None else prefix, stats if keyless_rows is None else keyless_rows,
         *out.stride(), *grad_out.stride(), num_seqs,
-        total_q, total_k, max_q, max_k, row_stride, heads * row_stride, num_seqs.bit_length(),
-        EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=BLOCK, BOX_M=block_m, ALIGNED=aligned,
+        total_q, total_k, max_q, max_k, row_stride, heads * row_stride, num_seqs.bit_length()),
+        dict(EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=BLOCK, BOX_M=block_m, ALIGNED=aligned,
         CAUSAL=causal,
         SCHEDULE=schedule.id, BLOCK_N=block_n, WITH_PREFIX=with_prefix,
         PREFIX_BLOCK=min(max(triton.next_power_of_2(num_seqs), 16), MAX_SORTED),
         SORT=num_seqs <= MAX_SORTED,
-        HEAD_ACC=0 if keyless_rows is None else keyless_rows.shape[2])
+        HEAD_ACC=0 if keyless_rows is None else keyless_rows.shape[2]))
     return stats, row_stride, prefix

@@ -16,7 +16,6 @@ from dash_inductor.ops import attention_backward, attention_forward
 from dash_inductor.ops import catalog
 from dash_inductor.ops.catalog import DETERMINISTIC, ORDERED
 from dash_inductor.ops.hopper.config import HEAD_DIMS
-from dash_inductor.ops.hopper.launch import attention_forward as hopper_forward
 from dash_inductor.ops.launch import check_spin_flags
 from dash_inductor.pytest_plugin import deterministic_algorithms_mode
 from dash_inductor.testing import assert_flash_rule, sdpa_math_reference
@@ -52,7 +51,7 @@ def _ours(q, k, v, do, causal, schedule, max_spin=1 << 26):
     out = torch.empty_like(do)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
     if KERNEL == "hopper":  # the Gluon forward too, whether or not dispatch runs it yet
-        hopper_forward(q, k, v, out, lse, is_causal=causal, scale=scale)
+        attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale, kernel=KERNEL)
     else:
         attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale, kernel=KERNEL)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -217,7 +216,7 @@ def test_unfilled_buffers_are_written_in_full(causal, window, schedule, poison_a
         out = torch.empty_like(do)
         lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
         if KERNEL == "hopper":
-            hopper_forward(q, k, v, out, lse, is_causal=causal, scale=scale)
+            attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale, kernel=KERNEL)
         else:
             attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale,
                               kernel=KERNEL, window=window)
@@ -270,6 +269,7 @@ def test_dq_conversion_equals_pytorchs_copy_in_bf16(layout):
     """The launchers' conversion of the fp32 dQ accumulator rounds to nearest even, as PyTorch's
     copy does (the CPU interpreter truncates, so tests/test_dq_convert.py checks other dtypes)."""
     from dash_inductor.ops.dq_convert import convert_dq
+    from dash_inductor.ops.launch import Launches
 
     acc = torch.randn(8, 1024, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     heads, seq = 4 if layout != "packed" else 8, 1000
@@ -279,7 +279,7 @@ def test_dq_conversion_equals_pytorchs_copy_in_bf16(layout):
           "blhe": lambda: torch.empty(batch, seq, heads, 128, **new).transpose(1, 2),
           "packed": lambda: torch.empty(seq, heads, 128, **new).transpose(0, 1).unsqueeze(0),
           }[layout]()
-    convert_dq(acc, dq)
+    convert_dq(Launches(), acc, dq)
     assert torch.equal(dq, acc.view(batch, heads, 1024, 128)[:, :, :seq].to(torch.bfloat16))
 
 
@@ -294,19 +294,19 @@ def test_bits_do_not_depend_on_the_number_of_programs(schedule):
     import dataclasses
 
     from dash_inductor.ops.hopper.config import backward_config
-    from dash_inductor.ops.hopper.launch import attention_backward as hopper_backward
 
     q, k, v, do = _inputs(4, 16, 4, 4096, 128, seed=9)
     for causal in (False, True):
         out, lse = torch.empty_like(do), torch.empty(q.shape[:3], device="cuda")
-        hopper_forward(q, k, v, out, lse, is_causal=causal, scale=128 ** -0.5)
+        attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=128 ** -0.5,
+                          kernel="hopper")
         grads = []
         for aligned in (True, False):
             cfg = dataclasses.replace(backward_config(128, causal), aligned_grid=aligned)
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            plan = hopper_backward(do, q, k, v, out, lse, dq, dk, dv, is_causal=causal,
-                                   scale=128 ** -0.5, schedule=catalog.get(schedule),
-                                   max_spin=1 << 26, cfg=cfg)
+            plan = attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
+                                      scale=128 ** -0.5, schedule=schedule, kernel="hopper",
+                                      config=cfg)
             grads.append((plan.grid, dq, dk, dv))
         (grid_a, *a), (grid_b, *b) = grads
         if not causal or schedule == "shift":  # equally long items: 128 programs, not 132

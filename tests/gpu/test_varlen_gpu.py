@@ -1,5 +1,5 @@
 """GPU tests of dash.varlen_attention on both CUDA paths: the packed kernels (one launch per pass,
-offsets read on the device) and the per-sequence launches (``varlen.PACKED_ON_CUDA`` picks one for
+offsets read on the device) and the per-sequence launches (``varlen._per_sequence`` picks one for
 users; every test here runs each): FlashAttention's accuracy rule against a float32 reference,
 100 bitwise repeats per deterministic schedule, packing invariance; and, for the packed kernels, no
 host synchronisation and the device check of the offsets raising asynchronously. bf16, documents
@@ -31,7 +31,8 @@ HQ, HKV, DIM = 8, 2, 128
 @pytest.fixture(params=["packed", "per_sequence"], autouse=True)
 def cuda_path(request, monkeypatch):
     """Every test runs on both CUDA paths of varlen_attention."""
-    monkeypatch.setattr(varlen, "PACKED_ON_CUDA", request.param == "packed")
+    monkeypatch.setattr(varlen, "_per_sequence",
+                        lambda query, kernel_path: request.param == "per_sequence")
     return request.param
 
 

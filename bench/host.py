@@ -1,0 +1,179 @@
+"""Host time of one attention forward+backward: what a training step pays per call on the host.
+
+    python bench/host.py [--device cuda|cpu] [--calls 300] [--rounds 3] [--profile] [--out DIR]
+
+A problem small enough that the GPU idles, (2, 16, 1024, 64) causal (bf16 on CUDA, float32 on
+the CPU), so the host decides the wall time. Every method runs through its public entry and
+``torch.autograd``: ``--calls`` forward+backward calls back to back without a sync; "host" is
+the wall time of the loop over the calls, "done" the same after a final sync. The methods take
+turns for ``--rounds`` rounds, and the median round is reported. Methods:
+
+- ``sdpa_off`` / ``sdpa_on``: ``F.scaled_dot_product_attention``, determinism off / on;
+- ``dash``: ``dash_inductor.attention``, determinism on;
+- the same three through ``torch.compile`` (``compiled_*``: the determinism-on one is rewritten
+  into ``dash.attention``);
+- packed documents (4 of random length, 8192 tokens): ``varlen_attn`` determinism on, against
+  ``dash_inductor.varlen_attention`` (CUDA only).
+
+``--profile`` adds cProfile's functions with the most own time in dash's eager call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+Call = Callable[[], None]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--no-compile", action="store_true", help="eager methods only")
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args(argv)
+
+
+def _dense_methods(device: str, compile_too: bool) -> dict[str, tuple[bool, Call]]:
+    """(determinism on, call) by method name."""
+    import torch
+    import torch.nn.functional as F
+
+    import dash_inductor
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = (torch.randn(2, 16, 1024, 64, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn_like(q)
+
+    def eager(fn) -> Call:
+        return lambda: fn(q, k, v, is_causal=True).backward(grad)
+
+    methods = {"sdpa_off": (False, eager(F.scaled_dot_product_attention)),
+               "sdpa_on": (True, eager(F.scaled_dot_product_attention)),
+               "dash": (True, eager(dash_inductor.attention))}
+    if compile_too:
+        for name, det in (("sdpa_off", False), ("sdpa_on", True), ("dash", True)):
+            def sdpa(q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            # dash.attention comes from the rewrite; the SDPA baselines run with it off.
+            rewrite = "deterministic" if name == "dash" else "off"
+            with dash_inductor.config.patch(rewrite=rewrite):
+                torch.use_deterministic_algorithms(det)
+                compiled = torch.compile(sdpa, dynamic=False)
+                compiled(q, k, v).backward(grad)  # compiles under this method's settings
+            methods[f"compiled_{name}"] = (det, lambda c=compiled: c(q, k, v).backward(grad))
+    return methods
+
+
+def _varlen_methods(device: str) -> dict[str, tuple[bool, Call]]:
+    import torch
+
+    import dash_inductor
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        varlen_attn = None
+    lengths = torch.tensor([1536, 2560, 1024, 3072])  # 8192 tokens, fixed for repeatability
+    cu = torch.zeros(5, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    cu = cu.to(device)
+    max_len = int(lengths.max())
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = (torch.randn(8192, 16, 128, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn_like(q)
+
+    def call(fn) -> Call:
+        return lambda: fn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0)).backward(grad)
+
+    methods = {"varlen_dash": (True, call(dash_inductor.varlen_attention))}
+    if varlen_attn is not None and device == "cuda":
+        methods["varlen_attn_on"] = (True, call(varlen_attn))
+    return methods
+
+
+def _time(device: str, det: bool, call: Call, calls: int) -> tuple[float, float]:
+    import torch
+
+    torch.use_deterministic_algorithms(det)
+    for _ in range(3):
+        call()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = time.perf_counter() - start
+    if device == "cuda":
+        torch.cuda.synchronize()
+    done = time.perf_counter() - start
+    return 1e6 * host / calls, 1e6 * done / calls
+
+
+def _profile(det: bool, call: Call, calls: int, count: int = 30) -> list[str]:
+    import torch
+
+    torch.use_deterministic_algorithms(det)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][2])[:count]
+    return [f"{1e6 * own / calls:8.1f} us own {1e6 * cum / calls:8.1f} us cum {n // calls:4d}x "
+            f"{Path(path).name}:{line}({name})" for (path, line, name), (_, n, own, cum, _) in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    methods = _dense_methods(device, not args.no_compile)
+    methods.update(_varlen_methods(device))
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
+    for _ in range(args.rounds):
+        for name, (det, call) in methods.items():
+            samples[name].append(_time(device, det, call, args.calls))
+    rows = []
+    for name, runs in samples.items():
+        host = statistics.median(r[0] for r in runs)
+        done = statistics.median(r[1] for r in runs)
+        rows.append({"method": name, "host_us": host, "done_us": done,
+                     "host_us_rounds": [r[0] for r in runs]})
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    import triton
+
+    print(f"{name}, torch {torch.__version__}, Triton {triton.__version__}, {args.calls} calls, "
+          f"median of {args.rounds} rounds")
+    print(f"{'method':<22}{'host us/call':>14}{'done us/call':>14}")
+    for row in rows:
+        print(f"{row['method']:<22}{row['host_us']:>14.1f}{row['done_us']:>14.1f}")
+    profile = _profile(*methods["dash"], calls=min(args.calls, 100)) if args.profile else []
+    for line in profile:
+        print(line)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "host.json").write_text(json.dumps(
+            {"device": name, "torch": torch.__version__, "triton": triton.__version__,
+             "calls": args.calls, "rounds": args.rounds, "rows": rows, "profile": profile},
+            indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
