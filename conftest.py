@@ -12,6 +12,7 @@ if not HAS_CUDA:
     # decides at import whether its own library functions run in the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Where the package is installed, pytest has loaded the plugin already (its entry point): a no-op.
 pytest_plugins = ["dash_inductor.pytest_plugin"]
 
 

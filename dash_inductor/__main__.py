@@ -53,6 +53,11 @@ def _demo(args: argparse.Namespace) -> int:
     except RuntimeError:
         print(f"error: --device must be cpu or cuda[:N], got {device!r}", file=sys.stderr)
         return 2
+    if on_cuda and (torch.device(device).index or 0) >= torch.cuda.device_count():
+        print(f"error: --device {device}, but this torch ({torch.__version__}) sees "
+              f"{torch.cuda.device_count()} CUDA devices; --device cpu runs the demo on the CPU",
+              file=sys.stderr)
+        return 2
     dtype_name = args.dtype or ("bfloat16" if on_cuda else "float32")
     sizes = {name: getattr(args, name) for name in DEMO_SIZE_FLAGS
              if getattr(args, name) is not None}

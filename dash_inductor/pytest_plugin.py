@@ -1,79 +1,14 @@
-"""pytest plugin of dash_inductor: hypothesis profiles and determinism fixtures.
+"""dash_inductor's pytest plugin (hypothesis profiles ``dash-ci`` and ``dash-gpu``, determinism
+fixtures): the top-level module ``_dash_inductor_pytest_plugin``, re-exported.
 
-Load it from a top-level ``conftest.py`` with ``pytest_plugins = ["dash_inductor.pytest_plugin"]``
-(after setting ``TRITON_INTERPRET`` there if needed: importing dash_inductor imports Triton).
-It imports no torch itself (the fixtures do, when used) and only *registers* hypothesis profiles:
-selecting one is the user's choice (``pytest --hypothesis-profile=dash-ci``), so nobody's
-settings change silently.
-
-Profiles:
-
-- ``dash-ci``: derandomized (the same examples on every run, so a CI failure reproduces), no
-  deadline (first calls compile kernels), few examples, and the failure blob printed.
-- ``dash-gpu``: more examples for larger GPU draws, still derandomized and without deadline.
-
-Fixtures:
-
-- ``deterministic_algorithms``: turns ``torch.use_deterministic_algorithms(True)`` on for the test
-  and restores the previous mode (including ``warn_only``) afterwards.
-- ``restore_deterministic_algorithms``: lets the test set the mode itself, restores it afterwards.
-- ``deterministic_algorithms_mode(enabled, warn_only)``: the same as a context manager.
+pytest loads the plugin by itself where dash_inductor is installed (the ``pytest11`` entry point
+``dash_inductor.pytest_plugin``); ``pytest_plugins = ["dash_inductor.pytest_plugin"]`` in a
+``conftest.py`` is then a no-op, and loads it where the package is not installed.
 """
 
-from __future__ import annotations
+from _dash_inductor_pytest_plugin import (CI_PROFILE, GPU_PROFILE, deterministic_algorithms,
+                                          deterministic_algorithms_mode,
+                                          restore_deterministic_algorithms)
 
-import contextlib
-from typing import Iterator
-
-import pytest
-
-CI_PROFILE = "dash-ci"
-GPU_PROFILE = "dash-gpu"
-
-
-def _register_hypothesis_profiles() -> None:
-    try:
-        from hypothesis import HealthCheck, settings
-    except ImportError:  # hypothesis is an optional test dependency
-        return
-    slow_checks = [HealthCheck.too_slow, HealthCheck.data_too_large]
-    settings.register_profile(
-        CI_PROFILE, derandomize=True, deadline=None, max_examples=10, print_blob=True,
-        suppress_health_check=slow_checks, database=None)
-    settings.register_profile(
-        GPU_PROFILE, derandomize=True, deadline=None, max_examples=50, print_blob=True,
-        suppress_health_check=slow_checks, database=None)
-
-
-_register_hypothesis_profiles()
-
-
-@contextlib.contextmanager
-def deterministic_algorithms_mode(enabled: bool = True, warn_only: bool = False) -> Iterator[None]:
-    """Set ``torch.use_deterministic_algorithms`` inside the block, restore the old mode after."""
-    import torch
-
-    saved = (torch.are_deterministic_algorithms_enabled(),
-             torch.is_deterministic_algorithms_warn_only_enabled())
-    try:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-        yield
-    finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-
-
-@pytest.fixture
-def restore_deterministic_algorithms() -> Iterator[None]:
-    """Let the test change ``torch.use_deterministic_algorithms``; restore it afterwards."""
-    import torch
-
-    with deterministic_algorithms_mode(torch.are_deterministic_algorithms_enabled(),
-                                       torch.is_deterministic_algorithms_warn_only_enabled()):
-        yield
-
-
-@pytest.fixture
-def deterministic_algorithms() -> Iterator[None]:
-    """Run the test with ``torch.use_deterministic_algorithms(True)`` (strict), then restore."""
-    with deterministic_algorithms_mode(True):
-        yield
+__all__ = ["CI_PROFILE", "GPU_PROFILE", "deterministic_algorithms", "deterministic_algorithms_mode",
+           "restore_deterministic_algorithms"]

@@ -12,6 +12,7 @@ parallelism within FlashAttention's accuracy rule. Exit status 0 when all of tha
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -39,7 +40,22 @@ def _ring_attention(mesh, q, k, v, grad_out):
     return [out.detach(), *(t.grad for t in leaves)]
 
 
+def unmet_requirement() -> str | None:
+    """Why the check cannot run here (None when it can), said before NCCL fails in its own words."""
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return (f"it needs CUDA GPUs and NCCL; this torch ({torch.__version__}) sees "
+                f"{torch.cuda.device_count()} CUDA devices and has "
+                f"{'' if dist.is_nccl_available() else 'no '}NCCL")
+    if "RANK" not in os.environ:
+        return "it runs one process per GPU: torchrun --nproc-per-node 2 " + sys.argv[0]
+    return None
+
+
 def main() -> int:
+    reason = unmet_requirement()
+    if reason is not None:
+        print(f"context_parallel_check.py cannot run here: {reason}", file=sys.stderr)
+        return 2
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)

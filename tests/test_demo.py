@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import sys
 
 import pytest
 import torch
@@ -126,3 +127,22 @@ def test_bench_without_a_checkout_says_how(monkeypatch, capsys) -> None:
     monkeypatch.setattr(cli, "bench_script", lambda: None)
     assert cli.main(["bench", "--quick"]) == 2
     assert "bench/run.py" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device, visible", [("cuda", 0), ("cuda:1", 1)])
+def test_demo_on_a_missing_cuda_device_says_so(monkeypatch, capsys, device, visible) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(demo_module, "run_demo", lambda cfg: pytest.fail("the demo ran"))
+    assert cli.main(["demo", "--device", device]) == 2
+    assert (f"error: --device {device}, but this torch ({torch.__version__}) sees {visible} CUDA "
+            f"devices; --device cpu runs the demo on the CPU") in capsys.readouterr().err
+
+
+def test_bench_on_a_cpu_says_the_grid_needs_a_gpu_and_what_runs_here(monkeypatch, capsys) -> None:
+    """The command it points at is the one tests/test_bench_packed.py runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # bench/run.py puts bench/ on the path
+    assert cli.main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "bench/run.py times the grid on a CUDA GPU; none is visible" in err
+    assert "`python -m dash_inductor bench --packed --smoke --device cpu`" in err

@@ -34,9 +34,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(argv: list[str], world: int = 2, timeout: float = 120) -> list[str]:
+#: Only a guard against a hang (a rank that dies can leave the others waiting in a collective),
+#: far above any run time: a loaded machine must not fail a test that is merely slow.
+HANG_GUARD_S = 1800
+
+
+def launch(argv: list[str], world: int = 2) -> list[str]:
     """Run ``python argv`` as ``world`` gloo ranks (torchrun's environment); their outputs.
-    Fails the test if a rank fails or the group outlives ``timeout`` seconds."""
+    Fails the test if a rank fails or the group outlives ``HANG_GUARD_S``."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -48,7 +53,7 @@ def launch(argv: list[str], world: int = 2, timeout: float = 120) -> list[str]:
     outputs = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
+            outputs.append(proc.communicate(timeout=HANG_GUARD_S)[0])
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -157,7 +162,7 @@ def test_example_trains_bitwise_reproducibly(modes):
     both ranks, and the profiled step ran dash's forward and backward in each layer, no SDPA.
     (FSDP2 is ``slow``: with a cold compile cache the three modes take over 100 s on 2 cores.)"""
     out = launch([str(ROOT / "examples" / "distributed_train.py"), "--device", "cpu",
-                  "--modes", modes, "--steps", "2", "--seq", "32"], timeout=240)[0]
+                  "--modes", modes, "--steps", "2", "--seq", "32"])[0]
     for mode in modes.split(","):
         assert any(line.startswith(f"OK   {mode}") and "identical on every rank" in line
                    and "dash fwd/bwd 2/2, sdpa 0" in line for line in out.splitlines()), out

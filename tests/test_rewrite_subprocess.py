@@ -70,6 +70,5 @@ def _hook_takes_lists() -> bool:
 def test_user_pass_installed_before_import(form: str) -> None:
     if form == "list" and not _hook_takes_lists():
         pytest.skip("this torch's pre-grad hook takes one callable, not a list")
-    result = subprocess.run([sys.executable, "-c", SCRIPT, form], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, "-c", SCRIPT, form], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
