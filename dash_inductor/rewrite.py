@@ -35,9 +35,9 @@ from torch._inductor.pattern_matcher import (
 from dash_inductor import config, library, rewrite_fused, sites
 from dash_inductor.library import op_options, unsupported_reason
 from dash_inductor.rewrite_fused import fused_patterns
-from dash_inductor.sites import (DECIDED, SDPA_PARAMS, SiteReport, disabled_reason, example_value,
-                                 explain_disabled, recorders, recording, report_site,
-                                 rewrite_enabled)
+from dash_inductor.sites import (DECIDED, SDPA_PARAMS, SiteReport, disabled_reason,
+                                 example_value, explain_disabled, recorders, recording,
+                                 report_site, rewrite_enabled)
 
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
                   "enable_gqa": False}

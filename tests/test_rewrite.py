@@ -347,3 +347,33 @@ def test_uuid_and_pickle_follow_decision_and_chained_uuids() -> None:
         assert rewrite.PRE_GRAD_PASS.uuid() is None  # a chained pass without uuid: no caching
         rewrite.uninstall()
     rewrite.install()
+
+
+def test_a_site_without_a_stack_trace_is_labelled_by_what_it_is():
+    """A pre-grad node without a stack trace names its module and node, and is not called fused;
+    a joint-graph node is Inductor's fusion; with a trace, file:line in function."""
+    from dash_inductor.sites import _site_of
+
+    graph = torch.fx.Graph()
+    node = graph.call_function(F.scaled_dot_product_attention, ())
+    assert _site_of(node, "pre-grad") == f"node {node.name}, no source location in the graph"
+    node.meta["nn_module_stack"] = {"a": ("layers.0.attn", torch.nn.MultiheadAttention)}
+    assert _site_of(node, "pre-grad") == f"node {node.name}, in layers.0.attn (MultiheadAttention)"
+    assert _site_of(node, "joint").startswith("attention fused by Inductor")
+    node.meta["stack_trace"] = '  File "model.py", line 16, in forward\n    y = sdpa(q, k, v)\n'
+    assert _site_of(node, "pre-grad") == "model.py:16 in forward"
+
+
+def test_rewriting_on_the_cpu_says_once_what_it_costs(caplog):
+    """On the CPU the rewrite runs dash's reference, slower than PyTorch's own CPU attention: an
+    INFO line says so once per process, with the way back (rewrite='off')."""
+    from dash_inductor import sites
+
+    sites._cpu_noted.clear()
+    torch.use_deterministic_algorithms(True)
+    q = torch.randn(1, 2, 16, 8)
+    with caplog.at_level("INFO", logger="dash_inductor"):
+        for _ in range(2):
+            dash_inductor.explain(lambda q: F.scaled_dot_product_attention(q, q, q), q)
+    notes = [r for r in caplog.records if sites.CPU_NOTE in r.getMessage()]
+    assert len(notes) == 1 and "rewrite = 'off'" in notes[0].getMessage()
