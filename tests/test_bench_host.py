@@ -1,0 +1,28 @@
+"""bench/host.py on the CPU, on tiny shapes (a check that the script runs and writes its table,
+not a measurement): every method times, the JSON has its rounds, and the determinism mode the
+methods switch is restored."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import host  # noqa: E402
+
+
+def test_host_bench_times_every_method_on_the_cpu(tmp_path):
+    import torch
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert host.main(["--device", "cpu", "--calls", "2", "--rounds", "2", "--no-compile",
+                      "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "host.json").read_text())
+    methods = {row["method"]: row for row in result["rows"]}
+    assert set(methods) == {"sdpa_off", "sdpa_on", "dash", "varlen_dash"}
+    for row in methods.values():
+        assert len(row["host_us_rounds"]) == 2 and 0 < row["host_us"] <= row["done_us"]
+    assert not torch.are_deterministic_algorithms_enabled()
