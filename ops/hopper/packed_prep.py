@@ -15,9 +15,8 @@ the tensors, built on the device from the offsets (the host reads none).
   than keys), and those of a sub-tile that crosses its sequence's edge, which the writer adds
   row by row.
 
-One launch instead of a dozen small torch operations and three launches: the packed backward's
-host time, which a training step waits for when the GPU work is short, was 1.3-1.9 ms a call on
-an H100 host (bench/results/2026-11-24-h100-e240a6b).
+One launch instead of a dozen small torch operations and three launches: a training step waits
+for the host when the GPU work is short.
 """
 
 from __future__ import annotations

@@ -1,0 +1,35 @@
+"""The Hopper configs, pinned: each entry is a measured choice (docs/maintainers/tuning.md), and
+a change to one should be a decision with a measurement, not an accident."""
+
+import pytest
+
+from dash_inductor.ops.hopper.config import (FORWARD_MIN_SEQ, HopperForwardConfig,
+                                             backward_config)
+
+#: (head dim, causal, packed) -> (block_m, stages, dq_stages, dk_in_flight, named_handoff,
+#: writer_regs, heads_outer, tail_convert, claimed_deal)
+PINNED = {
+    # dense: the deal and the tail conversion apply to packed sequences only (``unpadded_deal``)
+    (64, False, False): (128, 2, 1, False, True, 24, False, True, True),
+    (64, True, False): (128, 2, 1, False, True, 24, False, True, True),
+    (64, False, True): (64, 4, 4, False, True, 48, False, False, False),
+    (64, True, True): (64, 4, 4, False, True, 48, False, False, True),
+    (128, False, False): (64, 3, 1, True, True, 40, True, True, False),
+    (128, True, False): (64, 3, 1, False, False, 40, True, True, True),
+    (128, False, True): (64, 3, 1, True, True, 40, True, True, False),
+    (128, True, True): (64, 3, 1, False, False, 40, True, True, True),
+}
+
+
+@pytest.mark.parametrize("key", PINNED, ids=str)
+def test_backward_configs_are_the_measured_ones(key):
+    cfg = backward_config(*key)
+    assert (cfg.block_m, cfg.stages, cfg.dq_stages, cfg.dk_in_flight, cfg.named_handoff,
+            cfg.writer_regs, cfg.heads_outer, cfg.tail_convert, cfg.claimed_deal) == PINNED[key]
+    assert cfg.block_n == 128 and cfg.dq_tma and cfg.aligned_grid and cfg.unpadded_deal
+
+
+def test_forward_config_and_its_threshold():
+    cfg = HopperForwardConfig()
+    assert (cfg.block_m, cfg.block_n, cfg.stages, cfg.warpgroup_rows) == (128, 128, 3, 64)
+    assert FORWARD_MIN_SEQ == {64: 4096, 128: 2048}
