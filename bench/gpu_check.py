@@ -29,7 +29,7 @@ from triton.testing import do_bench
 from dash_inductor.ops import attention_backward, attention_forward
 from dash_inductor.ops.catalog import NAMES as SCHEDULES
 from dash_inductor.ops.catalog import ORDERED
-from dash_inductor.ops.configs import BackwardConfig, ForwardConfig
+from dash_inductor.ops.portable.configs import BackwardConfig, ForwardConfig
 from dash_inductor.testing import flash_rule_errors, sdpa_math_reference
 
 
@@ -155,7 +155,7 @@ MAIN_CANDIDATES = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4
 
 def tune(report, dims, seqs):
     """`recompute` under dQ-kernel and main-kernel configs, and the ordered schedules, by problem."""
-    from dash_inductor.ops.configs import backward_config
+    from dash_inductor.ops.portable.configs import backward_config
     for d in dims:
         for n in seqs:
             b, h = 16384 // n, 2048 // d

@@ -60,7 +60,7 @@ def environment() -> dict[str, Any]:
 
 
 def _tiles(problem: m.Problem, arch: int) -> int:
-    from dash_inductor.ops.configs import backward_config
+    from dash_inductor.ops.portable.configs import backward_config
 
     block_n = backward_config(problem.head_dim, problem.dtype, problem.causal, arch).block_n
     return math.ceil(problem.seq / block_n)
@@ -85,13 +85,13 @@ def predicted_backward_ms(problem: m.Problem, schedule: str, atomic_ms: float | 
 def auto_choice(problem: m.Problem, arch: int) -> str:
     """The schedule ``config.schedule = "auto"`` resolves to for this problem (unmasked or causal,
     on the kernel path the dispatcher takes for it)."""
-    from dash_inductor.ops import dispatch
+    from dash_inductor.ops import rules
     from dash_inductor.ops.hopper.config import HEAD_DIMS
     from dash_inductor.ops.hopper.support import DTYPES
 
     hopper = arch == 9 and problem.dtype in DTYPES and problem.head_dim in HEAD_DIMS
-    path = dispatch.HOPPER if hopper else dispatch.PORTABLE
-    return dispatch.auto_schedule(path, problem.causal, False, problem.head_dim, False).name
+    path = rules.HOPPER if hopper else rules.PORTABLE
+    return rules.auto_schedule(path, problem.causal, False, problem.head_dim, False).name
 
 
 def add_predictions(rows: list[dict[str, Any]], env: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ from dash_inductor.ops import catalog
 #: Backward schedule. "auto" lets the launcher pick the fastest measured deterministic one:
 #: on the Hopper kernels ``ops.hopper.config.auto_on_hopper`` ("shift" causal or packed;
 #: unmasked "ascending" at head dim 64, "descending" otherwise), elsewhere
-#: ``ops.configs.auto_schedule`` ("recompute"); the others are listed in ``SCHEDULES``.
+#: ``ops.portable.configs.auto_schedule`` ("recompute"); the others are listed in ``SCHEDULES``.
 schedule: str = catalog.AUTO
 
 #: Kernel path on CUDA: "auto" (the launcher picks), "portable" (the ``tl`` kernels) or "hopper".

@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from . import config, reference
-from .ops import catalog, dispatch
-from .ops.plan import Plan
+from dash_inductor.ops import catalog, dispatch
+from dash_inductor.ops.plan import Plan
 from .shapes import (Canonical, canonicalize, check_not_nested, check_sdpa_flags,
                      empty_like_layout, unfilled)
 from .window import NO_WINDOW, check_window

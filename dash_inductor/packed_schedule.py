@@ -1,6 +1,6 @@
 """The DASH model (``schedule.py``) for packed sequences, dealt to programs as the kernels do.
 
-Each packed sequence is a virtual batch entry (``ops/packed.py``): its tiles are counted from its
+Each packed sequence is a virtual batch entry (``ops/portable/packed.py``): its tiles are counted from its
 own length, and its KV tiles visit its Q tiles in the order, with the ranks, of a dense sequence of
 that many tiles, so a sequence's steps are ``schedule.item_steps`` of its tile count. What packing
 adds is the deal: program p takes work indices p, p + P, ..., sequences major. The padded deal

@@ -5,8 +5,8 @@ Tokens of N sequences are packed along dim 0: ``query`` (Tq, Hq, E), ``key`` (Tk
 rows ``cu_seq_k[i]:cu_seq_k[i+1]``. ``check_packed`` reads only metadata (it runs on fake tensors
 at trace time); ``sequences`` reads the offsets' values on the host: free for CPU tensors, a host
 synchronisation on CUDA, where only the per-sequence path (``kernel="hopper"``) calls it; the
-packed kernels check CUDA offsets on the device (``ops/packed.py``). The contract and its
-messages are defined once, in ``ops/offsets.py``.
+packed kernels check CUDA offsets on the device (``ops/portable/packed.py``). The contract and its
+messages are defined once, in ``ops/shared/offsets.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .ops import offsets
+from dash_inductor.ops.shared import offsets
 from .shapes import MAX_HEAD_DIM, SUPPORTED_DTYPES
 from .window import NO_WINDOW, Window, check_window, dense_keep, with_causal
 

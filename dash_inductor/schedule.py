@@ -4,7 +4,7 @@ Qiang et al., "DASH: Deterministic Attention Scheduling for High-throughput Repr
 Training" (arXiv 2601.21824, ICLR 2026) model the backward as chains of tasks, one chain per KV
 tile: for every Q tile it visits, a compute of cost ``c`` and then the ordered dQ reduction of
 cost ``r``, which may start only once the previous contribution to that Q tile (by rank) is added.
-This module holds the schedule formulas (the twin of ``ops/schedules.py``, same names, same
+This module holds the schedule formulas (the twin of ``ops/shared/schedules.py``, same names, same
 arithmetic), their tables, a simulator of the DAG on a persistent grid, a validator, and the
 closed-form critical paths; the schedules' names and properties come from ``ops/catalog.py``.
 It also draws the figures in ``docs/``.
@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dash_inductor.ops import catalog
-from dash_inductor.ops.catalog import (ORDERED, items_per_head,  # noqa: F401  (re-exported)
-                                       needs_coresident_head, num_slots)
+from dash_inductor.ops.catalog import ORDERED, items_per_head, needs_coresident_head, num_slots
 
 #: Every schedule name (defined, with its properties, in ``ops/catalog.py``).
 SCHEDULES = catalog.NAMES
@@ -31,7 +30,7 @@ def _check_tiles(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-# ---- the formulas: twins of the @triton.jit functions in ops/schedules.py -----------------------
+# ---- the formulas: twins of the @triton.jit functions in ops/shared/schedules.py -----------------------
 
 def slot_kv_tile(item: int, slot: int, n_kv: int, causal: bool, schedule: str) -> int:
     """KV tile processed by work ``item`` in ``slot``; -1 when that slot is empty."""

@@ -4,7 +4,7 @@ by the custom ops ``dash::varlen_attention`` and ``dash::varlen_attention_backwa
 Like ``dash::attention`` the ops take the backward's choices (``config.CHOICES``) as their last
 arguments, captured when the forward runs, and have fake kernels and a registered autograd. Each
 sequence is computed alone: on the reference by ``reference_varlen.py``; on the Triton path
-(CUDA, ``cpu_backend="triton"``) by one launch per pass over all sequences (``ops/packed.py``),
+(CUDA, ``cpu_backend="triton"``) by one launch per pass over all sequences (``ops/portable/packed.py``),
 whose programs read the offsets on the device and work on one sequence each (the backward of a
 named ordered schedule on the Hopper kernel, ``ops/hopper/``); with ``kernel="hopper"`` by one
 launch of the dense kernels per sequence (the Hopper forward takes no offsets). So a sequence's outputs and gradients are the same bits whatever is packed beside it,
@@ -23,7 +23,7 @@ from torch import Tensor
 from . import config, packing, reference, reference_varlen
 from .library import (_MAX_SPIN, check_schedule_allowed, forbid_double_backward, record,
                       uses_triton)
-from .ops import dispatch
+from dash_inductor.ops import dispatch
 from .shapes import check_not_nested, unfilled
 from .window import NO_WINDOW, Window, check_window, with_causal
 
@@ -250,7 +250,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor
     values (start at 0, non-decreasing, last = T, no length above ``max_q``/``max_k``) are checked
     without a host synchronisation: CPU offsets on the host at the call; CUDA offsets on the
     device, raising the same ``ValueError`` asynchronously, from a later launch or from
-    ``dash_inductor.ops.launch.check_spin_flags(wait=True)`` (docs/op.md). The backward's
+    ``dash_inductor.ops.shared.launch.check_spin_flags(wait=True)`` (docs/op.md). The backward's
     choices are read from ``dash_inductor.config`` now.
     """
     choices = config.choices()

@@ -2,7 +2,7 @@
 
 Everything that names a schedule or asks about one (config, launchers, the DAG model in
 ``dash_inductor/schedule.py``, the benchmarks, the docs) imports it from here; the ``@triton.jit``
-formulas in ``ops/schedules.py`` take their constexpr ids from here. No torch, no triton: this
+formulas in ``ops/shared/schedules.py`` take their constexpr ids from here. No torch, no triton: this
 module sits below every other layer (docs/design.md).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: The value of ``schedule`` that lets the launcher pick (``ops.configs.auto_schedule``).
+#: The value of ``schedule`` that lets the launcher pick (``ops.portable.configs.auto_schedule``).
 AUTO = "auto"
 
 

@@ -7,8 +7,8 @@ bound. From it the dispatcher builds a :class:`~.plan.Plan`: the kernel path and
 schedule object (``auto`` resolved here and nowhere else), the tile config, the grid, and the
 launcher that executes it. The plan is cached by signature, so a call of a signature already
 seen costs a dictionary lookup before its launches; ``cache_info()`` and ``cache_clear()`` work
-as ``functools.lru_cache``'s. Launchers only execute plans: none imports this module or another
-path's launcher.
+as ``functools.lru_cache``'s. The rules it applies (kernel path, ``auto``, fit) are in
+``rules.py``. Launchers only execute plans: none imports this module or another path's launcher.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from typing import NamedTuple
 import torch
 import triton
 
-from . import backward, catalog, forward, packed
-from .catalog import AUTO, KERNELS, Schedule
-from .configs import PORTABLE_AUTO, arch_key, backward_config, forward_config
+from . import rules
+from .catalog import AUTO, Schedule
 from .hopper import config as hopper_config
 from .hopper import support
-from .launch import Launches, interpreting, warn_once
 from .plan import Plan
+from .portable import backward, forward, packed
+from .portable.configs import backward_config, forward_config
+from .shared.device import arch_key
+from .shared.launch import Launches, interpreting
 
-PORTABLE = "portable"
-HOPPER = "hopper"
-NO_WINDOW = (-1, -1)
+PORTABLE, HOPPER, NO_WINDOW = rules.PORTABLE, rules.HOPPER, rules.NO_WINDOW
 _NO_PACKED_FORWARD = "packed sequences (the Hopper forward takes no offsets)"
 
 log = logging.getLogger("dash_inductor")
@@ -90,108 +90,6 @@ def _device_key(q: torch.Tensor) -> tuple:
     return q.device, torch.backends.cuda.matmul.allow_tf32, interpreting()
 
 
-# --- the kernel path --------------------------------------------------------------------------
-
-def _hopper_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        mask: torch.Tensor | None, window: tuple[int, int], op: str) -> str | None:
-    if op == "forward" and tuple(window) != NO_WINDOW:
-        return f"window_size={tuple(window)} (the Hopper forward takes no sliding window)"
-    if q.device.type != "cuda":
-        return f"device {q.device.type!r} (the Hopper kernels run on sm90 GPUs)"
-    return support.unsupported_reason(q, k, v, mask)
-
-
-def _check_kernel(kernel: str) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"dash.attention: kernel must be one of {list(KERNELS)}, got {kernel!r}")
-
-
-def _forward_path(kernel: str, q, k, v, mask, window) -> tuple[str, str | None]:
-    """The forward's kernel path, and why ``auto`` did not take the Hopper one."""
-    _check_kernel(kernel)
-    if kernel == PORTABLE:
-        return PORTABLE, None
-    reason = _hopper_unsupported(q, k, v, mask, window, "forward")
-    if kernel == HOPPER and reason is not None:  # refused when the forward runs, not later
-        raise ValueError(f"dash.attention: kernel='hopper' cannot run this attention: {reason}; "
-                         f"use kernel='auto' or 'portable'")
-    if reason is not None or kernel == HOPPER:
-        return (PORTABLE if reason else HOPPER), reason
-    shortest = hopper_config.FORWARD_MIN_SEQ[q.shape[-1]]
-    if q.shape[2] >= shortest:
-        return HOPPER, None
-    return PORTABLE, (f"the Hopper forward measured faster at head dim {q.shape[-1]} only from "
-                      f"N = {shortest}")
-
-
-def _backward_path(kernel: str, schedule: str, q, k, v, mask, window) -> tuple[str, str | None]:
-    """The backward's kernel path for the requested schedule, and why ``auto`` did not take the
-    Hopper one. ``auto`` takes it for the ordered schedules, which the portable kernels run with
-    the dQ turn on their critical path (``hopper_config.FASTER_ON_HOPPER``)."""
-    _check_kernel(kernel)
-    if kernel == PORTABLE:
-        return PORTABLE, None
-    reason = _hopper_unsupported(q, k, v, mask, window, "backward")
-    if kernel == HOPPER and reason is not None:
-        raise ValueError(f"dash.attention: kernel='hopper' cannot run this attention: {reason}; "
-                         f"use kernel='auto' or 'portable'")
-    if reason is not None:
-        return PORTABLE, reason
-    if kernel == HOPPER or schedule == AUTO or schedule in hopper_config.FASTER_ON_HOPPER:
-        return HOPPER, None
-    return PORTABLE, (f"schedule {schedule!r} measured faster on the portable kernels (the "
-                      f"Hopper path is picked for {list(hopper_config.FASTER_ON_HOPPER)})")
-
-
-def auto_schedule(path: str, causal: bool, packed: bool, head_dim: int,
-                  windowed: bool) -> Schedule:
-    """What ``schedule="auto"`` runs on ``path``: each kernel family's measured rule."""
-    if path == HOPPER:
-        return catalog.get(hopper_config.auto_on_hopper(causal, packed, head_dim, windowed))
-    return catalog.get(PORTABLE_AUTO)
-
-
-def _requested(schedule: str, path: str, causal: bool, packed: bool, head_dim: int,
-               window: tuple[int, int]) -> Schedule:
-    if schedule == AUTO:
-        return auto_schedule(path, causal, packed, head_dim, window != NO_WINDOW)
-    if schedule not in catalog.SCHEDULES:
-        raise ValueError(f"schedule must be {AUTO!r} or one of {list(catalog.NAMES)}, "
-                         f"got {schedule!r}")
-    return catalog.get(schedule)
-
-
-# --- fitting a schedule -----------------------------------------------------------------------
-
-def window_fallback(schedule: Schedule, causal: bool,
-                    window: tuple[int, int]) -> tuple[Schedule, str | None]:
-    """The schedule that runs under ``window``, and why it is not the one asked: ``shift`` has no
-    windowed ranks and falls back to the ordered schedule that runs on any grid."""
-    if tuple(window) == NO_WINDOW or schedule.name != "shift":
-        return schedule, None
-    fitted = catalog.get(catalog.fallback(causal))
-    return fitted, (f"schedule 'shift' has no sliding-window ranks; using {fitted.name!r} "
-                    f"(ordered, window-aware) instead")
-
-
-def fit_schedule(schedule: Schedule, causal: bool, window: tuple[int, int], n_kv: int,
-                 capacity: Callable[[Schedule], int], shape: str) -> tuple[Schedule, str | None]:
-    """The schedule that runs: the window's fallback, or one whose items of a head fit the
-    ``capacity`` co-resident programs; and why it is not the one asked (warned once)."""
-    fitted, reason = window_fallback(schedule, causal, window)
-    if reason or not schedule.coresident_head:
-        return fitted, reason
-    needed = schedule.items_per_head(n_kv, causal)
-    available = capacity(schedule)
-    if needed <= available:
-        return schedule, None
-    fallback = catalog.get(catalog.fallback(causal))
-    reason = (f"schedule {schedule.name!r} needs {needed} co-resident programs per head for "
-              f"{shape}, the GPU holds {available}; using {fallback.name!r} instead")
-    warn_once(f"dash attention backward: {reason}")
-    return fallback, reason
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -230,7 +128,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _plan_forward(q, k, v, mask, out, is_causal, window, kernel, config) -> Plan:
-    path, reason = _forward_path(kernel, q, k, v, mask, window)
+    path, reason = rules.forward_path(kernel, q, k, v, mask, window)
     batch, hq, seq_q, e = q.shape
     if path == HOPPER:
         launcher = _hopper()[0]
@@ -272,17 +170,18 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 def _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal, window, schedule, max_spin,
                    kernel, config) -> Plan:
-    path, reason = _backward_path(kernel, schedule, q, k, v, mask, window)
+    path, reason = rules.backward_path(kernel, schedule, q, k, v, mask, window)
     batch, hq, seq_q, e = q.shape
     seq_k, ev = k.shape[2], v.shape[3]
-    requested = _requested(schedule, path, is_causal, False, max(e, ev), window)
+    requested = rules.requested_schedule(schedule, path, is_causal, False, max(e, ev), window)
     shape = f"q {tuple(q.shape)}, k {tuple(k.shape)}, causal={is_causal}"
     if path == HOPPER:
         launcher = _hopper()[0]
         cfg = config or hopper_config.backward_config(e, is_causal)
         n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
         sms = _sms(q)
-        fitted, fallback = fit_schedule(requested, is_causal, window, n_kv, lambda _: sms, shape)
+        fitted, fallback = rules.fit_schedule(requested, is_causal, window, n_kv, lambda _: sms,
+                                              shape)
         per_head, items, grid, constexprs = hopper_config.backward_geometry(
             fitted, cfg, batch, k.shape[1], n_kv, is_causal, hq // k.shape[1],
             seq_k % cfg.block_n == 0, window != NO_WINDOW, False, sms)
@@ -333,7 +232,8 @@ def _portable_main(views: tuple, packed_args: tuple | None, cfg, requested: Sche
         constexprs, full_sizes = main(schedule)
         return backward.capacity(constexprs, views, packed_args, full_sizes, window, max_spin)
 
-    fitted, fallback = fit_schedule(requested, is_causal, window, max(n_kv, 1), capacity, shape)
+    fitted, fallback = rules.fit_schedule(requested, is_causal, window, max(n_kv, 1), capacity,
+                                          shape)
     constexprs, full_sizes = main(fitted)
     per_head, items = full_sizes[4:]
     if not interpreting():
@@ -357,7 +257,7 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q: 
                    window: tuple[int, int] = NO_WINDOW, kernel: str = AUTO, config=None) -> Plan:
     """Write each packed sequence's attention into ``out`` (Tq, Hq, Ev) and its logsumexp into
     the contiguous fp32 ``lse`` (Hq, Tq), in one launch that reads the offsets on the device;
-    return the plan that ran (``ops/packed.py`` has the layout)."""
+    return the plan that ran (``ops/portable/packed.py`` has the layout)."""
     window = tuple(window)
     key = ("varlen_forward", *_device_key(q), _layout(q), _layout(k), _layout(v), _layout(out),
            _layout(cu_seq_q), _layout(cu_seq_k), max_q, max_k, is_causal, window, kernel, config)
@@ -369,7 +269,7 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q: 
 
 def _plan_varlen_forward(q, k, v, cu_seq_q, max_q, max_k, is_causal, window, kernel,
                          config) -> Plan:
-    _check_kernel(kernel)
+    rules.check_kernel(kernel)
     if kernel == HOPPER:
         raise ValueError(f"dash.varlen_attention: kernel='hopper' cannot run {_NO_PACKED_FORWARD}")
     reason = None if kernel == PORTABLE else _NO_PACKED_FORWARD
@@ -407,11 +307,11 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 def _plan_varlen_backward(grad_out, q, k, v, lse, packed_args, dq, dk, dv, is_causal, window,
                           schedule, max_spin, kernel, config) -> Plan:
-    path, reason = _backward_path(kernel, schedule, q, k, v, None, window)
+    path, reason = rules.backward_path(kernel, schedule, q, k, v, None, window)
     (tq, hq, e), (tk, hkv, ev) = q.shape, v.shape
     cu_seq_q, _, max_q, max_k = packed_args
     num_seqs = cu_seq_q.numel() - 1
-    requested = _requested(schedule, path, is_causal, True, max(e, ev), window)
+    requested = rules.requested_schedule(schedule, path, is_causal, True, max(e, ev), window)
     aligned = is_causal or window != NO_WINDOW
     span_q, span_k = (max(max_q, max_k),) * 2 if aligned else (max_q, max_k)
     shape = (f"packed q {tuple(q.shape)}, k {tuple(k.shape)}, {num_seqs} sequences, "
@@ -424,7 +324,7 @@ def _plan_varlen_backward(grad_out, q, k, v, lse, packed_args, dq, dk, dv, is_ca
             cfg = dataclasses.replace(cfg, tail_convert=False)
         n_q, n_kv = triton.cdiv(span_q, cfg.block_n), triton.cdiv(span_k, cfg.block_n)
         sms = _sms(q)
-        fitted, fallback = fit_schedule(requested, is_causal, window, max(n_kv, 1),
+        fitted, fallback = rules.fit_schedule(requested, is_causal, window, max(n_kv, 1),
                                         lambda _: sms, shape)
         per_head, items, grid, constexprs = hopper_config.backward_geometry(
             fitted, cfg, num_seqs, hkv, max(n_kv, 1), is_causal, hq // hkv, False,

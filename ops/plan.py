@@ -25,7 +25,7 @@ class Plan:
     schedule: Schedule | None  #: the backward schedule that runs; None: forward
     fallback: str | None  #: why ``schedule`` differs from the request (beyond "auto"); else None
     grid: tuple[int, ...]  #: the main kernel's launch grid; () where no kernel is launched
-    config: Any = None  #: the tile config (``ops.configs`` or ``ops.hopper.config``)
+    config: Any = None  #: the tile config (``ops.portable.configs`` or ``ops.hopper.config``)
     run: Callable[..., None] | None = field(default=None, repr=False)  #: the launcher
     spec: Mapping[str, Any] = field(default_factory=dict, repr=False)  #: what the launcher reads
     launches: Any = field(default=None, repr=False)  #: its bound kernels (``launch.Launches``)

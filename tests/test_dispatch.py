@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from dash_inductor.ops import catalog, dispatch
+from dash_inductor.ops import catalog, dispatch, rules
 from dash_inductor.ops.hopper import support
 from dash_inductor.ops.hopper.config import FASTER_ON_HOPPER, FORWARD_MIN_SEQ
 
@@ -17,7 +17,7 @@ def _qkv(seq=64, dim=64, device="cpu"):
 
 @pytest.fixture
 def hopper_takes_it(monkeypatch):
-    monkeypatch.setattr(dispatch, "_hopper_unsupported", lambda *args: None)
+    monkeypatch.setattr(rules, "hopper_unsupported", lambda *args: None)
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +29,7 @@ def fresh_cache():
 
 @pytest.mark.parametrize("schedule", catalog.NAMES)
 def test_auto_backward_takes_hopper_exactly_for_the_measured_schedules(hopper_takes_it, schedule):
-    path, reason = dispatch._backward_path("auto", schedule, *_qkv(), None, (-1, -1))
+    path, reason = rules.backward_path("auto", schedule, *_qkv(), None, (-1, -1))
     assert (path == dispatch.HOPPER) == (schedule in FASTER_ON_HOPPER)
     assert (reason is None) == (path == dispatch.HOPPER)
     if reason is not None:
@@ -48,37 +48,37 @@ def test_auto_forward_takes_hopper_where_it_measured_faster(hopper_takes_it, sha
     batch, hq, hkv, seq, dim = shape
     q = torch.empty(batch, hq, seq, dim, device="meta")
     k = v = torch.empty(batch, hkv, seq, dim, device="meta")
-    path, reason = dispatch._forward_path("auto", q, k, v, None, (-1, -1))
+    path, reason = rules.forward_path("auto", q, k, v, None, (-1, -1))
     assert (path == dispatch.HOPPER) == takes_hopper
     assert (reason is None) == takes_hopper
     if reason is not None:
         assert f"from N = {FORWARD_MIN_SEQ[dim]}" in reason
-    assert dispatch._forward_path("hopper", q, k, v, None, (-1, -1)) == (dispatch.HOPPER, None)
+    assert rules.forward_path("hopper", q, k, v, None, (-1, -1)) == (dispatch.HOPPER, None)
 
 
 def test_named_paths(hopper_takes_it):
-    assert dispatch._backward_path("portable", "shift", *_qkv(), None, (-1, -1)) == (
+    assert rules.backward_path("portable", "shift", *_qkv(), None, (-1, -1)) == (
         dispatch.PORTABLE, None)
-    assert dispatch._backward_path("hopper", "recompute", *_qkv(), None, (-1, -1)) == (
+    assert rules.backward_path("hopper", "recompute", *_qkv(), None, (-1, -1)) == (
         dispatch.HOPPER, None)
     with pytest.raises(ValueError, match="kernel must be one of"):
-        dispatch._backward_path("fast", "shift", *_qkv(), None, (-1, -1))
+        rules.backward_path("fast", "shift", *_qkv(), None, (-1, -1))
 
 
 def test_a_window_keeps_the_forward_portable_and_the_backward_on_hopper():
     with pytest.raises(ValueError, match="Hopper forward takes no sliding window"):
-        dispatch._forward_path("hopper", *_qkv(), None, (128, 0))
-    path, reason = dispatch._forward_path("auto", *_qkv(), None, (128, 0))
+        rules.forward_path("hopper", *_qkv(), None, (128, 0))
+    path, reason = rules.forward_path("auto", *_qkv(), None, (128, 0))
     assert path == dispatch.PORTABLE and "window_size=(128, 0)" in reason
     # Here the backward is refused for the CPU only, not for the window.
-    reason = dispatch._hopper_unsupported(*_qkv(), None, (128, 0), "backward")
+    reason = rules.hopper_unsupported(*_qkv(), None, (128, 0), "backward")
     assert reason.startswith("device 'cpu'")
 
 
 def test_hopper_refused_with_the_reason_on_cpu():
     with pytest.raises(ValueError, match="kernel='hopper' cannot run this attention: device 'cpu'"):
-        dispatch._forward_path("hopper", *_qkv(), None, (-1, -1))
-    path, reason = dispatch._backward_path("auto", "shift", *_qkv(), None, (-1, -1))
+        rules.forward_path("hopper", *_qkv(), None, (-1, -1))
+    path, reason = rules.backward_path("auto", "shift", *_qkv(), None, (-1, -1))
     assert path == dispatch.PORTABLE and "device 'cpu'" in reason
 
 
@@ -126,9 +126,9 @@ def test_auto_on_hopper_follows_the_measured_rule(dim, seq, causal, window, expe
     """The measured rule (H100 tables): ``shift`` causal; unmasked ``ascending`` at head dim 64
     and ``descending`` at 128, at every length; a window keeps ``descending`` where the problem
     is unmasked (it is window-aware); off the Hopper path ``auto`` stays the portable rule's."""
-    schedule = dispatch._requested("auto", dispatch.HOPPER, causal, False, dim, window)
-    assert dispatch.window_fallback(schedule, causal, window)[0].name == expected
-    assert dispatch._requested("auto", dispatch.PORTABLE, causal, False, dim,
+    schedule = rules.requested_schedule("auto", dispatch.HOPPER, causal, False, dim, window)
+    assert rules.window_fallback(schedule, causal, window)[0].name == expected
+    assert rules.requested_schedule("auto", dispatch.PORTABLE, causal, False, dim,
                                window).name == "recompute"
 
 
@@ -137,16 +137,16 @@ def test_packed_auto_runs_hopper_shift(causal):
     """On packed sequences ``shift`` led every deterministic schedule, causal and unmasked (H100,
     bench/packed_paths.py): "auto" runs it on the Hopper kernel."""
     for dim in (64, 128):
-        assert dispatch.auto_schedule(dispatch.HOPPER, causal, True, dim, False).name == "shift"
+        assert rules.auto_schedule(dispatch.HOPPER, causal, True, dim, False).name == "shift"
 
 
 def test_a_schedule_that_does_not_fit_falls_back_and_says_why():
     shift = catalog.get("shift")
     with pytest.warns(RuntimeWarning, match="needs 40 co-resident programs"):
-        fitted, reason = dispatch.fit_schedule(shift, False, (-1, -1), 40, lambda s: 32, "q (x)")
+        fitted, reason = rules.fit_schedule(shift, False, (-1, -1), 40, lambda s: 32, "q (x)")
     assert fitted.name == catalog.fallback(False) and "the GPU holds 32" in reason
-    assert dispatch.fit_schedule(shift, False, (-1, -1), 32, lambda s: 32, "q") == (shift, None)
-    fitted, reason = dispatch.fit_schedule(shift, True, (64, 0), 4, lambda s: 1 << 30, "q")
+    assert rules.fit_schedule(shift, False, (-1, -1), 32, lambda s: 32, "q") == (shift, None)
+    fitted, reason = rules.fit_schedule(shift, True, (64, 0), 4, lambda s: 1 << 30, "q")
     assert fitted.name == catalog.fallback(True) and "no sliding-window ranks" in reason
 
 
@@ -209,8 +209,10 @@ def test_a_signature_seen_before_is_a_cache_hit_that_runs_no_dispatch_logic(monk
     def planned_again(*args, **kwargs):
         raise AssertionError("dispatch logic ran for a signature already planned")
 
-    for name in ("_plan_forward", "_forward_path", "_hopper_unsupported", "forward_config"):
-        monkeypatch.setattr(dispatch, name, planned_again)
+    monkeypatch.setattr(dispatch, "_plan_forward", planned_again)
+    monkeypatch.setattr(dispatch, "forward_config", planned_again)
+    for name in ("forward_path", "hopper_unsupported", "check_kernel"):
+        monkeypatch.setattr(rules, name, planned_again)
     q2, k2, v2 = _qkv()  # other tensors, the same signature
     assert _call(q2, k2, v2) is first
     assert dispatch.cache_info() == dispatch.CacheInfo(1, 1, dispatch._MAXSIZE, 1)

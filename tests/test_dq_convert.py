@@ -1,4 +1,4 @@
-"""The dQ accumulator's conversion (``ops/dq_convert.py``) against PyTorch's copy, on the CPU
+"""The dQ accumulator's conversion (``ops/shared/dq_convert.py``) against PyTorch's copy, on the CPU
 (Triton interpreter), for the gradient layouts the launchers hand it: (B, H, L, E) contiguous,
 a model's (B, L, H, E) seen as (B, H, L, E), and packed (T, H, E) seen as (1, H, T, E). The
 interpreter rounds float32 to bfloat16 by truncation, not to nearest even as the GPU does, so
@@ -7,8 +7,8 @@ here the conversion is checked exactly in float16 and float32; tests/gpu checks 
 import pytest
 import torch
 
-from dash_inductor.ops.dq_convert import convert_dq
-from dash_inductor.ops.launch import Launches
+from dash_inductor.ops.shared.dq_convert import convert_dq
+from dash_inductor.ops.shared.launch import Launches
 
 LAYOUTS = {
     "bhle": lambda b, h, l, e, dt: torch.empty(b, h, l, e, dtype=dt),

@@ -3,8 +3,7 @@ a change to one should be a decision with a measurement, not an accident."""
 
 import pytest
 
-from dash_inductor.ops.hopper.config import (FORWARD_MIN_SEQ, HopperForwardConfig,
-                                             backward_config)
+from dash_inductor.ops.hopper.config import FORWARD_MIN_SEQ, HopperForwardConfig, backward_config
 
 #: (head dim, causal, packed) -> (block_m, stages, dq_stages, dk_in_flight, named_handoff,
 #: writer_regs, heads_outer, tail_convert, claimed_deal)

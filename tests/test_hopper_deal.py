@@ -18,7 +18,7 @@ from dash_inductor import schedule
 from dash_inductor.ops import catalog
 from dash_inductor.ops.hopper.dq_tail import CHUNKS, chunk_rows
 from dash_inductor.ops.hopper.packed_prep import packed_prepare
-from dash_inductor.ops.launch import Launches
+from dash_inductor.ops.shared.launch import Launches
 from dash_inductor.packed_schedule import packed_plans
 
 BLOCK_N = 16

@@ -12,9 +12,9 @@ import torch
 
 from dash_inductor.ops import catalog
 from dash_inductor.ops.hopper.packed_prep import packed_prepare
-from dash_inductor.ops.launch import Launches
-from dash_inductor.ops.preprocess import compute_delta
-from dash_inductor.ops.tiles import LOG2E
+from dash_inductor.ops.shared.launch import Launches
+from dash_inductor.ops.shared.preprocess import compute_delta
+from dash_inductor.ops.shared.tiles import LOG2E
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:

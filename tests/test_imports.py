@@ -89,14 +89,14 @@ def test_the_cycle_finder_finds_one():
 
 def test_launchers_import_neither_the_dispatcher_nor_each_other():
     modules = _modules()
-    launchers = ["dash_inductor.ops.forward", "dash_inductor.ops.backward",
-                 "dash_inductor.ops.packed", "dash_inductor.ops.hopper.launch"]
+    launchers = ["dash_inductor.ops.portable.forward", "dash_inductor.ops.portable.backward",
+                 "dash_inductor.ops.portable.packed", "dash_inductor.ops.hopper.launch"]
     for launcher in launchers:
         imported = _imports(launcher, modules[launcher], modules)
         assert "dash_inductor.ops.dispatch" not in imported, launcher
         others = set(launchers) - {launcher}
         # The packed launcher runs the dense kernels' VARLEN variants: it calls their launch
         # helpers, which are kernels' entry points, not launchers of plans.
-        allowed = {"dash_inductor.ops.forward", "dash_inductor.ops.backward"} \
+        allowed = {"dash_inductor.ops.portable.forward", "dash_inductor.ops.portable.backward"} \
             if launcher.endswith("packed") else set()
         assert not (imported & others) - allowed, (launcher, imported & others)

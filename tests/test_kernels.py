@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from dash_inductor.ops import attention_backward, attention_forward  # noqa: E402
 from dash_inductor.ops.catalog import DETERMINISTIC, NAMES  # noqa: E402
-from dash_inductor.ops.configs import PORTABLE_AUTO  # noqa: E402
+from dash_inductor.ops.portable.configs import PORTABLE_AUTO  # noqa: E402
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 SCHEDULES = NAMES

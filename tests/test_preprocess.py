@@ -1,4 +1,4 @@
-"""The backward's preprocess (``ops/preprocess.py``) in the Triton interpreter, against PyTorch:
+"""The backward's preprocess (``ops/shared/preprocess.py``) in the Triton interpreter, against PyTorch:
 delta, the exp2-domain logsumexp with its padding, and the zeros it writes over whatever the
 buffers held before (they are allocated empty; here they start as garbage)."""
 
@@ -13,9 +13,9 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dash_inductor.ops import preprocess  # noqa: E402
-from dash_inductor.ops.launch import Launches  # noqa: E402
-from dash_inductor.ops.tiles import LOG2E  # noqa: E402
+from dash_inductor.ops.shared import preprocess  # noqa: E402
+from dash_inductor.ops.shared.launch import Launches  # noqa: E402
+from dash_inductor.ops.shared.tiles import LOG2E  # noqa: E402
 
 
 @pytest.fixture

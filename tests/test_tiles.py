@@ -20,7 +20,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from dash_inductor import pytest_plugin  # noqa: E402
-from dash_inductor.ops.tiles import key_tile_range  # noqa: E402
+from dash_inductor.ops.shared.tiles import key_tile_range  # noqa: E402
 
 CI = settings.get_profile(pytest_plugin.CI_PROFILE)
 

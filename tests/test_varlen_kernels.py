@@ -22,8 +22,10 @@ import torch
 from hypothesis import given, settings
 
 from dash_inductor import config, library, pytest_plugin
-from dash_inductor.ops import catalog, dispatch, offsets, packed
-from dash_inductor.ops.launch import Launches
+from dash_inductor.ops import catalog, dispatch
+from dash_inductor.ops.shared import offsets
+from dash_inductor.ops.portable import packed
+from dash_inductor.ops.shared.launch import Launches
 from dash_inductor.varlen import varlen_attention
 from tests.test_varlen import _assert_packing_invariant, _check, _offsets, packings
 
@@ -218,8 +220,9 @@ def _compile_for_sm90() -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from dash_inductor.ops import backward, dq_convert, dq_pass, forward, launch, preprocess
-    from dash_inductor.ops.configs import backward_config, forward_config
+    from dash_inductor.ops.portable import backward, forward
+    from dash_inductor.ops.shared import dq_convert, dq_pass, launch, preprocess
+    from dash_inductor.ops.portable.configs import backward_config, forward_config
 
     types = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
     compiled = []

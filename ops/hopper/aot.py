@@ -19,12 +19,12 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from .backward import backward_kernel
-from .forward import forward_kernel
 from ..catalog import NAMES
 from ..catalog import get as get_schedule
+from .backward import backward_kernel
 from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
                      backward_constexprs, forward_constexprs)
+from .forward import forward_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
 _GL_DTYPES = {"bf16": gl.bfloat16, "fp16": gl.float16}

@@ -1,8 +1,8 @@
 """Attention backward for Hopper (sm90) in Gluon: one warp-specialized, persistent kernel.
 
-Each CTA walks work items exactly like the portable kernel (ops/backward.py): an item owns one or
+Each CTA walks work items exactly like the portable kernel (ops/portable/backward.py): an item owns one or
 two KV tiles of one (batch, KV head); for every query head of its GQA group the KV tile visits Q
-tiles in the schedule's order (ops/schedules.py, the same ``@triton.jit`` formulas). Three
+tiles in the schedule's order (ops/shared/schedules.py, the same ``@triton.jit`` formulas). Three
 partitions share that walk, each doing one job (the split of FlashAttention-3's backward, Shah et
 al. 2024, and of DASH's dQ writer, Qiang et al. 2026):
 
@@ -19,7 +19,7 @@ al. 2024, and of DASH's dQ writer, Qiang et al. 2026):
 Queries sit along dim 1 of S^T (keys along dim 0), so dK and dV accumulate from registers, and
 dS^T goes through shared memory once to feed dQ = dS K.
 
-WINDOW (a sliding window) and VARLEN (packed sequences, ``ops/packed.py``'s virtual batch) walk the
+WINDOW (a sliding window) and VARLEN (packed sequences, ``ops/portable/packed.py``'s virtual batch) walk the
 tiles as the portable kernel does (``walk.py``). A packed sequence's TMA boxes may reach into its
 neighbours (or past the tensor, where TMA reads zeros): the compute warps zero such rows of a
 boundary tile in shared memory before any MMA reads it and mask P to the sequence's keys (its rows

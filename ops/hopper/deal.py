@@ -17,7 +17,7 @@ and ``PREFIX[num_seqs + 1 + j]`` is the j-th sequence; one program of the packed
 partition of the kernel finds a work index's place by binary search (``walk.work_head``). A
 (sequence, KV head) still holds at most P items (``fit_schedule`` sizes P for the longest), all
 within P consecutive work indices, so each ordered wait is for an item that a program reaches by
-finishing items of lower indices only: the argument of ``ops/schedules.py`` holds whatever the
+finishing items of lower indices only: the argument of ``ops/shared/schedules.py`` holds whatever the
 order of the sequences, and no order changes a bit (each dQ sum keeps its ranks).
 
 Where the config asks (causal masks: ``config.backward_config``), the unpadded deal is also
@@ -44,8 +44,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .. import schedules as sch
-from ..tiles import sequence_tiles
+from ..shared import schedules as sch
+from ..shared.tiles import sequence_tiles
 from .primitives import await_count
 
 

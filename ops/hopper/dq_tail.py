@@ -2,7 +2,7 @@
 
 Packed sequences of unequal lengths leave programs without work while others still compute (the
 ``shift`` deal's gangs, ``deal.py``), and the fp32 dQ accumulator's conversion into the gradient
-(``ops/dq_convert.py``, a launch of its own after the kernel) then waits for the last of them.
+(``ops/shared/dq_convert.py``, a launch of its own after the kernel) then waits for the last of them.
 Here the compute warps of a program that has run out of items convert instead: each (sequence,
 KV head) counts its finished items (``item_finished``, by its dQ writer, after the item's last
 adds are performed), and a program claims units of (sequence, query head, eighth of the rows) in

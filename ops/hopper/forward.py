@@ -15,7 +15,7 @@ Three partitions (the split of FlashAttention-3's forward, Shah et al. 2024):
 
 Causal attention (top-left, as the portable kernel) visits the KV tiles up to the diagonal, the
 longest Q tiles first, and masks only the tiles that reach past a row's diagonal or past S.
-``out`` and the natural-log ``lse`` are those of ``ops/forward.py``; the bits may differ.
+``out`` and the natural-log ``lse`` are those of ``ops/portable/forward.py``; the bits may differ.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
-from ..tiles import LN2
+from ..shared.tiles import LN2
 from .primitives import partition_barrier, tma_load, tma_store
 
 

@@ -13,12 +13,12 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..dq_convert import convert_dq
-from ..dq_pass import launch_dq_pass
-from ..launch import watch_spin_flag
 from ..plan import Plan
-from ..preprocess import compute_delta, prepare, zeroed_tickets
-from ..tiles import LOG2E
+from ..shared.dq_convert import convert_dq
+from ..shared.dq_pass import launch_dq_pass
+from ..shared.launch import watch_spin_flag
+from ..shared.preprocess import compute_delta, prepare, zeroed_tickets
+from ..shared.tiles import LOG2E
 from .backward import backward_kernel
 from .forward import forward_kernel
 from .packed_prep import packed_prepare
@@ -176,7 +176,7 @@ def run_varlen_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: 
                         v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, dq: torch.Tensor,
                         dk: torch.Tensor, dv: torch.Tensor, scale: float, max_spin: int) -> None:
-    """The packed-sequence backward (``ops/packed.py``'s contract: (T, H, D) tensors, ``lse``
+    """The packed-sequence backward (``ops/portable/packed.py``'s contract: (T, H, D) tensors, ``lse``
     (Hq, Tq)) with the Hopper kernel, in one launch; every element of ``dq``, ``dk`` and ``dv``
     is written."""
     cfg, spec, schedule = plan.config, plan.spec, plan.schedule

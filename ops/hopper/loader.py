@@ -8,7 +8,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .. import schedules as sch
+from ..shared import schedules as sch
 from . import deal, walk
 from .primitives import tma_load
 

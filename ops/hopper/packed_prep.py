@@ -2,7 +2,7 @@
 the tensors, built on the device from the offsets (the host reads none).
 
 - The row stats: per query head, the exp2-domain logsumexp and delta = rowsum(dO * O) (the dense
-  preprocess's values, ``ops/preprocess.py``), in a layout where every TMA box of them starts
+  preprocess's values, ``ops/shared/preprocess.py``), in a layout where every TMA box of them starts
   16-byte aligned. The kernel's boxes of sequence b start ``q_lo`` rows before it (its diagonal
   shift, ``tiles.diagonal_origin``) plus multiples of 64, and a 1-D box must start 16-byte
   aligned, so sequence b's rows start at :func:`stats_start`, congruent to q_lo modulo 4, in a
@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 
 from .. import catalog
-from ..configs import head_dim_bucket
-from ..launch import Launches
-from ..preprocess import BLOCK, row_delta
-from ..tiles import crosses_edge, diagonal_origin, exp2_logsumexp, sequence_bounds
+from ..shared.device import head_dim_bucket
+from ..shared.launch import Launches
+from ..shared.preprocess import BLOCK, row_delta
+from ..shared.tiles import crosses_edge, diagonal_origin, exp2_logsumexp, sequence_bounds
 from .deal import MAX_SORTED, write_item_prefix
 
 

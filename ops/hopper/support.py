@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from ..configs import cuda_major
+from ..shared.device import cuda_major
 from .config import HEAD_DIMS
 
 DTYPES = (torch.bfloat16, torch.float16)

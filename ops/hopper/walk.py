@@ -2,10 +2,10 @@
 
 Each partition (loader, compute, dQ writer) walks the same items, KV tiles and steps on its own, so
 all three must agree on every count and skip: they do, by calling these functions with the same
-arguments. The schedules' formulas are those of the portable kernel (``ops/schedules.py``), and
-so are the geometry of packed sequences and windows (``ops/backward.py``; ``ops/tiles.py``):
+arguments. The schedules' formulas are those of the portable kernel (``ops/shared/schedules.py``), and
+so are the geometry of packed sequences and windows (``ops/portable/backward.py``; ``ops/shared/tiles.py``):
 
-- a work item of sequence ``b`` (VARLEN: the virtual batch of ``ops/packed.py``) counts its tiles
+- a work item of sequence ``b`` (VARLEN: the virtual batch of ``ops/portable/packed.py``) counts its tiles
   from that sequence's bounds; causal and windows are aligned bottom-right by shifting the tile
   coordinates (``tiles.diagonal_origin``), so rows ``[q_lo, q_hi)`` and keys ``[k_lo, k_hi)`` are
   real and everything outside is padding (dense: ``q_lo = k_lo = 0``, ``q_hi = L``, ``k_hi = S``);
@@ -18,8 +18,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .. import schedules as sch
-from .. import tiles
+from ..shared import schedules as sch
+from ..shared import tiles
 from .packed_prep import stats_start
 
 

@@ -16,7 +16,7 @@ from dash_inductor.ops import attention_backward, attention_forward
 from dash_inductor.ops import catalog
 from dash_inductor.ops.catalog import DETERMINISTIC, ORDERED
 from dash_inductor.ops.hopper.config import HEAD_DIMS
-from dash_inductor.ops.launch import check_spin_flags
+from dash_inductor.ops.shared.launch import check_spin_flags
 from dash_inductor.pytest_plugin import deterministic_algorithms_mode
 from dash_inductor.testing import assert_flash_rule, sdpa_math_reference
 
@@ -268,8 +268,8 @@ def test_backward_writes_every_gradient_on_poisoned_memory(seq_q, seq_k, causal,
 def test_dq_conversion_equals_pytorchs_copy_in_bf16(layout):
     """The launchers' conversion of the fp32 dQ accumulator rounds to nearest even, as PyTorch's
     copy does (the CPU interpreter truncates, so tests/test_dq_convert.py checks other dtypes)."""
-    from dash_inductor.ops.dq_convert import convert_dq
-    from dash_inductor.ops.launch import Launches
+    from dash_inductor.ops.shared.dq_convert import convert_dq
+    from dash_inductor.ops.shared.launch import Launches
 
     acc = torch.randn(8, 1024, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     heads, seq = 4 if layout != "packed" else 8, 1000

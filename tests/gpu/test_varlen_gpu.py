@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dash_inductor import config, varlen
 from dash_inductor.ops.catalog import DETERMINISTIC
-from dash_inductor.ops.launch import check_spin_flags
+from dash_inductor.ops.shared.launch import check_spin_flags
 from dash_inductor.testing import assert_flash_rule, low_precision_math_sdpa
 from dash_inductor.varlen import AuxRequest, varlen_attention
 
@@ -222,7 +222,7 @@ def test_a_gradient_whose_head_dim_is_not_contiguous_has_the_same_bits(cuda_path
 @pytest.mark.parametrize("schedule", ["shift", "descending", "atomic"])
 def test_the_portable_packed_backward_where_hopper_would_run(schedule, cuda_path):
     """``kernel="portable"`` on a GPU where the Hopper kernels would run: the portable packed
-    backward (dQ accumulated by its main kernel, then converted by ``ops/dq_convert.py``) meets
+    backward (dQ accumulated by its main kernel, then converted by ``ops/shared/dq_convert.py``) meets
     the accuracy rule, and its deterministic schedules repeat their bits."""
     _packed_only(cuda_path)
     lens_q, lens_k = PACKINGS["cross"]

@@ -1,4 +1,4 @@
-"""Static tile configurations of the attention kernels, and the rule behind ``schedule="auto"``.
+"""Static tile configurations of the portable kernels, and what ``schedule="auto"`` runs on them.
 
 Determinism forbids timing-based autotuning at run time (docs/design.md): a config chosen by a
 race between candidates could differ between runs and change the bits. So every choice here is a
@@ -8,11 +8,11 @@ measurements written down in docs/kernels-notes.md.
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
+
+from ..shared.device import INTERPRETER, head_dim_bucket
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,6 @@ class BackwardConfig:
     dq_num_stages: int
 
 
-INTERPRETER = "interpreter"
-
 # Small tiles keep the interpreter fast and exercise sub-tiles (block_m < block_n) and many tiles.
 _INTERPRETER_FORWARD = ForwardConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 _INTERPRETER_BACKWARD = BackwardConfig(block_m=16, block_n=32, num_warps=4, num_stages=1,
@@ -72,30 +70,6 @@ def _fill_hopper() -> None:
 
 
 _fill_hopper()
-
-
-def head_dim_bucket(head_dim: int) -> int:
-    """The padded (power of two, at least 16) head dimension the kernels compute with."""
-    if head_dim < 1 or head_dim > 256:
-        raise ValueError(f"head dimension must be in 1..256, got {head_dim}")
-    return max(16, 1 << (head_dim - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
-def cuda_major(device: torch.device) -> int:
-    """The compute-capability major of CUDA ``device`` (cached: every launch asks)."""
-    return _capability_major(torch.cuda.current_device() if device.index is None else device.index)
-
-
-def arch_key(device: torch.device) -> int | str:
-    """The architecture key of ``device``: compute-capability major, or INTERPRETER."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
-        return INTERPRETER
-    return cuda_major(device)
 
 
 def _default_forward(bucket: int, wide: bool) -> ForwardConfig:

@@ -10,7 +10,7 @@ Causal and window are aligned bottom-right per sequence (FlashAttention's varlen
 The backward runs the Hopper kernel instead (``ops/hopper/``, the same virtual batch) where the
 dispatcher picks it; the forward is always the portable one.
 
-On CUDA a one-program kernel checks the offsets' contract (``ops/offsets.py``) and raises
+On CUDA a one-program kernel checks the offsets' contract (``ops/shared/offsets.py``) and raises
 through the launches' error flags (``launch.watch_spin_flag``): asynchronously, at a later launch
 or ``launch.check_spin_flags``. The kernels treat a sequence whose bounds break the contract as
 empty, so they never touch memory outside the tensors meanwhile.
@@ -22,15 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-from . import offsets
+from ..plan import Plan
+from ..shared import offsets
+from ..shared.device import head_dim_bucket
+from ..shared.dq_convert import convert_dq
+from ..shared.dq_pass import launch_dq_pass
+from ..shared.launch import Launches, interpreting, watch_spin_flag
+from ..shared.preprocess import compute_delta, zeroed_tickets
 from .backward import launch_main
-from .configs import head_dim_bucket
-from .dq_convert import convert_dq
-from .dq_pass import launch_dq_pass
 from .forward import launch_forward
-from .launch import Launches, interpreting, watch_spin_flag
-from .plan import Plan
-from .preprocess import compute_delta, zeroed_tickets
 
 _START, _ORDER = tl.constexpr(offsets.START), tl.constexpr(offsets.ORDER)
 _END, _LONGEST = tl.constexpr(offsets.END), tl.constexpr(offsets.LONGEST)
@@ -39,7 +39,7 @@ _KEYS = tl.constexpr(offsets.KEYS)
 
 @triton.jit
 def _breaches(CU, n, total, max_len, BLOCK: tl.constexpr):
-    """Bits of the offsets' breaches (``ops/offsets.py``) for ``n`` sequences."""
+    """Bits of the offsets' breaches (``ops/shared/offsets.py``) for ``n`` sequences."""
     bad_order = tl.zeros([BLOCK], tl.int32)
     too_long = tl.zeros([BLOCK], tl.int32)
     for start in range(0, n, BLOCK):

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import head_dim_bucket
+from .device import head_dim_bucket
 from .launch import Launches
 from .tiles import exp2_logsumexp
 

@@ -26,7 +26,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# Under the CPU interpreter bf16 dots widen their operands (see ops/tiles.py: mm).
+# Under the CPU interpreter bf16 dots widen their operands (see ops/shared/tiles.py: mm).
 WIDEN_BF16 = "widen_bf16"
 
 

@@ -19,11 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import ForwardConfig, head_dim_bucket
-from .launch import dot_precision, mask_kind
-from .plan import Plan
-from .tiles import (LN2, LOG2E, key_tile_range, load_tile, masked_scores, mm, row_offset,
-                    sequence_rows, window_keep)
+from ..plan import Plan
+from ..shared.device import head_dim_bucket
+from ..shared.launch import dot_precision, mask_kind
+from ..shared.tiles import (LN2, LOG2E, key_tile_range, load_tile, masked_scores, mm, row_offset,
+                            sequence_rows, window_keep)
+from .configs import ForwardConfig
 
 
 @triton.jit

@@ -1,8 +1,8 @@
 """The ``recompute`` schedule's dQ kernel: one program per Q tile sums dS K over its KV tiles in
-ascending order, with no waits (the main kernel of ``ops/backward.py`` then skips dQ). Also the
+ascending order, with no waits (the main kernel of ``ops/portable/backward.py`` then skips dQ). Also the
 per-row statistics both backward kernels load. A sliding window limits each Q tile to the KV tiles
 its rows see; the tiles outside are never loaded. With VARLEN the batch is virtual, as in the
-forward (``ops/forward.py``): a program reads its sequence's bounds and exits past its length.
+forward (``ops/portable/forward.py``): a program reads its sequence's bounds and exits past its length.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import head_dim_bucket
+from .device import head_dim_bucket
 from .launch import Launches, dot_precision, mask_kind
 from .tiles import (LOG2E, exp2_logsumexp, key_tile_range, load_tile, masked_scores, mm,
                     row_offset, sequence_rows, window_keep)

@@ -18,7 +18,7 @@ program follows, so the ordered dQ reduction cannot deadlock:
 import triton
 import triton.language as tl
 
-from .catalog import SCHEDULES
+from ..catalog import SCHEDULES
 
 ASCENDING = tl.constexpr(SCHEDULES["ascending"].id)
 DESCENDING = tl.constexpr(SCHEDULES["descending"].id)

@@ -1,20 +1,20 @@
 """Attention backward: preprocess, ONE main dK/dV + ordered-dQ kernel, and the recompute dQ kernel.
 
-The main kernel is persistent: program p takes work item p, then p+P, p+2P, ... (ops/schedules.py
+The main kernel is persistent: program p takes work item p, then p+P, p+2P, ... (ops/shared/schedules.py
 lays them out), except that under causal ``recompute`` and ``atomic``, which have no waits, it takes
 the next unclaimed item from a counter, which balances causal items of unequal length. Each slot of
 an item owns a KV tile, keeps dK and dV in fp32 registers and, for every query head of its GQA
 group, visits Q tiles in the schedule's order. Its dQ partial goes into an fp32
 accumulator in the order fixed by the schedule's reduction rank, enforced by an int32 ticket per
-(b, hq, Q sub-tile) (ops/tickets.py; docs/design.md; DASH, Qiang et al. 2026, for the
+(b, hq, Q sub-tile) (ops/shared/tickets.py; docs/design.md; DASH, Qiang et al. 2026, for the
 orders). The schedule and its properties (ops/catalog.py) are constexprs, so every schedule is
 this one kernel body. ``recompute``
-skips dQ there and runs the dQ kernel of ``ops/dq_pass.py`` instead.
+skips dQ there and runs the dQ kernel of ``ops/shared/dq_pass.py`` instead.
 A sliding window (``window``, WINDOW) limits every KV tile to the contiguous range of Q tiles it
 meets, and every Q tile to its KV tiles (``schedules.window_*``): tiles outside are never loaded;
 ``shift`` has no windowed ranks and falls back to the ordered schedule that runs on any grid.
 
-With VARLEN the batch is virtual (``ops/packed.py``): a work item of sequence ``seq`` reads its
+With VARLEN the batch is virtual (``ops/portable/packed.py``): a work item of sequence ``seq`` reads its
 bounds from the packed offsets, counts its tiles and items as the sequence alone would (so the
 schedule's walks and ranks are that sequence's), and does nothing past them. Causal and window are
 aligned bottom-right by shifting the tile coordinates (``tiles.diagonal_origin``); a sub-tile
@@ -27,18 +27,18 @@ import torch
 import triton
 import triton.language as tl
 
-from . import schedules as sch
-from .catalog import Schedule
-from .configs import BackwardConfig, head_dim_bucket
-from .launch import (coresident_programs, cooperative_launch_supported, dot_precision, interpreting,
-                     mask_kind, watch_spin_flag)
-from .plan import Plan
-from .tickets import add_in_turn, release_last
-from .dq_convert import convert_dq
-from .dq_pass import launch_dq_pass, load_row_stats
-from .preprocess import prepare
-from .tiles import (KERNEL_LOG2E, LOG2E, load_rows, mm, sequence_tiles,
-                    window_keep)
+from ..catalog import Schedule
+from ..plan import Plan
+from ..shared import schedules as sch
+from ..shared.device import head_dim_bucket
+from ..shared.dq_convert import convert_dq
+from ..shared.dq_pass import launch_dq_pass, load_row_stats
+from ..shared.launch import (coresident_programs, cooperative_launch_supported, dot_precision,
+                             interpreting, mask_kind, watch_spin_flag)
+from ..shared.preprocess import prepare
+from ..shared.tickets import add_in_turn, release_last
+from ..shared.tiles import KERNEL_LOG2E, LOG2E, load_rows, mm, sequence_tiles, window_keep
+from .configs import BackwardConfig
 
 
 @triton.jit
@@ -205,7 +205,7 @@ def _backward_main_kernel(
                          dv.to(DV.dtype.element_ty), mask=keys[:, None] & (offs_ev[None, :] < EV))
         if (CAUSAL or WINDOW) and not ORDERED:  # items of unequal length, no waits, whole items
             work = tl.atomic_add(WORK_COUNTER, 1, sem="relaxed") + tl.num_programs(0)
-        else:  # a fixed deal: the waits rely on it (ops/schedules.py); full-mask items are equal
+        else:  # a fixed deal: the waits rely on it (ops/shared/schedules.py); full-mask items are equal
             work += tl.num_programs(0)
     if ORDERED:
         release_last(held, held_amount, ORDERED_WAITS)
