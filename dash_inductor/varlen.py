@@ -250,7 +250,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor
     values (start at 0, non-decreasing, last = T, no length above ``max_q``/``max_k``) are checked
     without a host synchronisation: CPU offsets on the host at the call; CUDA offsets on the
     device, raising the same ``ValueError`` asynchronously, from a later launch or from
-    ``dash_inductor.ops.shared.launch.check_spin_flags(wait=True)`` (docs/op.md). The backward's
+    ``dash_inductor.ops.check_spin_flags(wait=True)`` (docs/op.md). The backward's
     choices are read from ``dash_inductor.config`` now.
     """
     choices = config.choices()

@@ -26,7 +26,7 @@ from .plan import Plan
 
 _DISPATCHED = ("attention_forward", "attention_backward", "varlen_forward", "varlen_backward",
                "cache_info", "cache_clear")
-__all__ = ["Plan", *_DISPATCHED]
+__all__ = ["Plan", "check_spin_flags", *_DISPATCHED]
 
 
 def __getattr__(name: str) -> Any:
@@ -34,4 +34,8 @@ def __getattr__(name: str) -> Any:
         from . import dispatch
 
         return getattr(dispatch, name)
+    if name == "check_spin_flags":  # raise a deferred kernel error now (tests, careful callers)
+        from .shared.launch import check_spin_flags
+
+        return check_spin_flags
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -100,3 +100,17 @@ def test_launchers_import_neither_the_dispatcher_nor_each_other():
         allowed = {"dash_inductor.ops.portable.forward", "dash_inductor.ops.portable.backward"} \
             if launcher.endswith("packed") else set()
         assert not (imported & others) - allowed, (launcher, imported & others)
+
+
+def test_the_documented_names_import():
+    """Every name the docs tell users to import, from where they say."""
+    import dash_inductor
+    from dash_inductor import config, integrations, testing  # noqa: F401
+    from dash_inductor.ops import (Plan, cache_clear, cache_info, catalog,  # noqa: F401
+                                   check_spin_flags)
+    from dash_inductor.library import last_plans  # noqa: F401
+
+    for name in ("attention", "varlen_attention", "explain", "enable", "disable", "config",
+                 "unsupported_reason", "integrations", "testing"):
+        assert hasattr(dash_inductor, name) or name == "testing", name
+    assert callable(check_spin_flags) and cache_info().maxsize > 0
