@@ -311,24 +311,31 @@ class _EagerAttention(torch.autograd.Function):
     """The eager fast path: the ops' forward and backward kernels, called directly."""
 
     @staticmethod
-    def forward(ctx, q, k, v, c: Canonical, choices: tuple):
+    def forward(ctx, q, k, v, c: Canonical, choices: tuple, enable_gqa: bool):
         with unfilled():
             out, lse = _forward(c, choices[2], choices[3])
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros for lse's gradient: it has none
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.form, ctx.choices = c.form(), choices  # no tensor: saved-tensor hooks see them all
+        # No tensor in the context: saved-tensor hooks (offloading, checkpointing) see them all.
+        ctx.form, ctx.choices, ctx.enable_gqa = c.form(), choices, enable_gqa
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        c = ctx.form.bind(q, k, v)
-        schedule, max_spin, cpu_backend, kernel_path = ctx.choices
+        form, (schedule, max_spin, cpu_backend, kernel_path) = ctx.form, ctx.choices
+        if torch.is_grad_enabled():  # create_graph: the op's backward refuses a second derivative
+            grads = attention_backward_op(
+                grad_out, q, k, v, out, lse, None, form.is_causal, form.scale, ctx.enable_gqa,
+                window_size=list(form.window), schedule=schedule, max_spin=max_spin,
+                cpu_backend=cpu_backend, kernel_path=kernel_path)
+            return (*grads, None, None, None)
+        c = form.bind(q, k, v)
         with unfilled():
             grads = _backward(c, grad_out, out, lse, schedule, max_spin, cpu_backend,
                               kernel_path)
-        return (*_grads_to_inputs(c, grads, q, k, v), None, None)
+        return (*_grads_to_inputs(c, grads, q, k, v), None, None, None)
 
 
 def _eager_cuda(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> bool:
@@ -363,7 +370,7 @@ def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | Non
     if _eager_cuda(query, key, value, attn_mask):
         check_schedule_allowed(choices["schedule"])
         c = canonicalize(query, key, value, None, is_causal, scale, enable_gqa, window)
-        return _EagerAttention.apply(query, key, value, c, tuple(choices.values()))[0]
+        return _EagerAttention.apply(query, key, value, c, tuple(choices.values()), enable_gqa)[0]
     return attention_op(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
                         enable_gqa=enable_gqa, **op_options(choices, window))[0]
 
