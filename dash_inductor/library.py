@@ -87,11 +87,23 @@ def check_no_dropout(dropout_p: float, where: str = "dash.attention") -> None:
                          f"scaled_dot_product_attention for attention dropout")
 
 
-def _forward(c: Canonical, cpu_backend: str, kernel_path: str) -> tuple[Tensor, Tensor]:
-    """(out, logsumexp) of canonical inputs, in their 4-D form."""
+def _allocate_forward(c: Canonical) -> tuple[Tensor, Tensor]:
+    """``out`` laid out as the query, and the logsumexp (float32, float64 for float64)."""
     b, h, l, _ = c.q.shape
     out = empty_like_layout(c.q, (b, h, l, c.v.shape[-1]))
     lse = torch.empty((b, h, l), dtype=reference.accumulation_dtype(c.q.dtype), device=c.q.device)
+    return out, lse
+
+
+def _allocate_grads(c: Canonical) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv laid out as q, k, v."""
+    return (empty_like_layout(c.q, tuple(c.q.shape)), empty_like_layout(c.k, tuple(c.k.shape)),
+            empty_like_layout(c.v, tuple(c.v.shape)))
+
+
+def _forward(c: Canonical, cpu_backend: str, kernel_path: str) -> tuple[Tensor, Tensor]:
+    """(out, logsumexp) of canonical inputs, in their 4-D form."""
+    out, lse = _allocate_forward(c)
     if out.numel() == 0 or c.k.shape[2] == 0:
         out.zero_()
         lse.fill_(-math.inf)
@@ -111,8 +123,7 @@ def _forward(c: Canonical, cpu_backend: str, kernel_path: str) -> tuple[Tensor, 
 def _backward(c: Canonical, do4: Tensor, out4: Tensor, lse4: Tensor, schedule: str,
               max_spin: int, cpu_backend: str, kernel_path: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of canonical inputs, in their 4-D form."""
-    grads = (empty_like_layout(c.q, tuple(c.q.shape)), empty_like_layout(c.k, tuple(c.k.shape)),
-             empty_like_layout(c.v, tuple(c.v.shape)))
+    grads = _allocate_grads(c)
     if any(g.numel() == 0 for g in grads) or c.q.shape[2] == 0 or c.k.shape[2] == 0:
         for g in grads:
             g.zero_()
@@ -180,9 +191,7 @@ def _attention_fake(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
                     max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
     c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
                  (schedule, max_spin, cpu_backend, kernel_path))
-    b, h, l, _ = c.q.shape
-    out = empty_like_layout(c.q, (b, h, l, c.v.shape[-1]))
-    lse = torch.empty((b, h, l), dtype=reference.accumulation_dtype(c.q.dtype), device=c.q.device)
+    out, lse = _allocate_forward(c)
     return c.squeeze(out), c.squeeze(lse)
 
 
@@ -218,8 +227,7 @@ def _attention_backward_fake(grad_out, q, k, v, out, logsumexp, attn_mask, is_ca
                              max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
     config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
     c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
-    grads = (empty_like_layout(c.q, tuple(c.q.shape)), empty_like_layout(c.k, tuple(c.k.shape)),
-             empty_like_layout(c.v, tuple(c.v.shape)))
+    grads = _allocate_grads(c)
     return _grads_to_inputs(c, grads, q, k, v)
 
 

@@ -86,20 +86,22 @@ def bind(name: str, args: tuple, kwargs: dict[str, Any]) -> tuple[dict[str, Any]
     return values, changed
 
 
+def _allowed_choices() -> dict[str, object]:
+    """The backward's choices (``config.CHOICES``) in force now. Under deterministic algorithms a
+    non-deterministic schedule is refused (or warned about), as ``dash_inductor.attention`` does."""
+    values = config.choices()
+    check_schedule_allowed(values["schedule"])
+    return values
+
+
 def choices(query: Tensor) -> tuple:
-    """The backward's choices (``config.CHOICES``) in force now, as the ``dash::varlen`` ops take
-    them. Under deterministic algorithms a non-deterministic schedule is refused (or warned
-    about), as ``dash_inductor.attention`` does."""
-    values = config.choices()
-    check_schedule_allowed(values["schedule"])
-    return tuple(values.values())
+    """The choices in force now, as the ``dash::varlen`` ops take them (positional)."""
+    return tuple(_allowed_choices().values())
 
 
-def options(query: Tensor, window: tuple[int, int] = (-1, -1)) -> dict:
-    """The same as the ``dash::attention`` ops' keyword arguments."""
-    values = config.choices()
-    check_schedule_allowed(values["schedule"])
-    return op_options(values, window)
+def options(query: Tensor) -> dict:
+    """The choices in force now, as the ``dash::attention`` ops take them (keyword-only)."""
+    return op_options(_allowed_choices())
 
 
 def like(result: Tensor, like_: Tensor) -> Tensor:
