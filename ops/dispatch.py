@@ -123,7 +123,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            _layout(out), is_causal, window, kernel, config)
     plan = _cached(key, lambda: _plan_forward(q, k, v, mask, out, is_causal, window, kernel,
                                               config))
-    plan.run(plan, q, k, v, *((mask,) if plan.kernel == PORTABLE else ()), out, lse, scale)
+    plan.run(plan, q, k, v, mask, out, lse, scale)
     return plan
 
 
@@ -161,10 +161,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            schedule, max_spin, kernel, config)
     plan = _cached(key, lambda: _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal,
                                                window, schedule, max_spin, kernel, config))
-    if plan.kernel == PORTABLE:
-        plan.run(plan, grad_out, q, k, v, out, lse, mask, dq, dk, dv, scale, max_spin)
-    else:
-        plan.run(plan, grad_out, q, k, v, out, lse, dq, dk, dv, scale, max_spin)
+    plan.run(plan, grad_out, q, k, v, out, lse, mask, dq, dk, dv, scale, max_spin)
     return plan
 
 

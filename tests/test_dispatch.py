@@ -237,3 +237,34 @@ def test_the_cache_keeps_at_most_its_size(monkeypatch):
     for seq in range(16, 21):
         _call(*_qkv(seq=seq))
     assert dispatch.cache_info().currsize == 3
+
+
+def test_every_launcher_is_called_with_its_own_signature(hopper_takes_it, monkeypatch):
+    """The dispatcher calls each plan's launcher the same way, the portable launcher's arguments,
+    for every path: checked against the Hopper launchers' real signatures (which the CPU cannot
+    run), with the plans a Hopper call makes."""
+    import inspect
+
+    from dash_inductor.ops.hopper import launch
+
+    called = []
+    for name in ("run_forward", "run_backward", "run_varlen_backward"):
+        real = getattr(launch, name)
+
+        def record(*args, real=real, **kwargs):
+            inspect.signature(real).bind(*args, **kwargs)  # raises TypeError on a mismatch
+            called.append(real.__name__)
+
+        monkeypatch.setattr(launch, name, record)
+    monkeypatch.setattr(dispatch, "_sms", lambda q: 132)
+    q, k, v, do = (torch.randn(1, 2, 2048, 128, dtype=torch.bfloat16) for _ in range(4))
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 2048)
+    dispatch.attention_forward(q, k, v, None, out, lse, is_causal=True, scale=0.1)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    dispatch.attention_backward(do, q, k, v, out, lse, None, *grads, is_causal=True, scale=0.1)
+    cu = torch.tensor([0, 700, 2048], dtype=torch.int32)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v, do, out)]
+    dispatch.varlen_backward(*packed[3:4], *packed[:3], packed[4], lse[0], cu, cu, 1348, 1348,
+                             *(torch.empty_like(t) for t in packed[:3]), is_causal=True,
+                             scale=0.1)
+    assert called == ["run_forward", "run_backward", "run_varlen_backward"]

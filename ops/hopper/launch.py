@@ -88,9 +88,10 @@ def _readable(tensors: tuple[torch.Tensor, ...], copies: tuple[bool, ...]) -> tu
     return tuple(tma_copy(t) if copy else t for t, copy in zip(tensors, copies))
 
 
-def run_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                lse: torch.Tensor, scale: float) -> None:
-    """Write ``out`` and the contiguous fp32 (B, Hq, L) ``lse`` with the Hopper forward."""
+def run_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: None, out: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+    """Write ``out`` and the contiguous fp32 (B, Hq, L) ``lse`` with the Hopper forward; the
+    portable launcher's arguments, whose ``mask`` is None here (``support.unsupported_reason``)."""
     spec, cfg = plan.spec, plan.config
     if not plan.grid:  # no program would have a key to wait for
         out.zero_()
@@ -142,10 +143,12 @@ def _launch(plan: Plan, views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor 
 
 
 def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor,
-                 dk: torch.Tensor, dv: torch.Tensor, scale: float, max_spin: int) -> None:
-    """Write dq, dk, dv with the Hopper kernel. One CTA per SM (its shared memory takes the SM),
-    so a grid of at most the SM count is co-resident and the ordered waits cannot hang."""
+                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, mask: None,
+                 dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float,
+                 max_spin: int) -> None:
+    """Write dq, dk, dv with the Hopper kernel (the portable launcher's arguments; ``mask`` is
+    None here). One CTA per SM (its shared memory takes the SM), so a grid of at most the SM
+    count is co-resident and the ordered waits cannot hang."""
     cfg, spec, schedule = plan.config, plan.spec, plan.schedule
     batch, seq_q, seq_k = q.shape[0], q.shape[2], k.shape[2]
     n_q, n_kv = spec["tiles"]
