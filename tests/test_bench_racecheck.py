@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOG = ROOT / "bench/results/2026-11-26-h100-racecheck/rc-hopper-dense-shift-full-d64.log.gz"
+LOG = ROOT / "tests/data/racecheck-hopper-dense-shift-full-d64.log.gz"  # an H100 run's log
 sys.path.insert(0, str(ROOT / "bench"))
 
 import racecheck  # noqa: E402
