@@ -190,9 +190,11 @@ def canonicalize(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = Non
     """Validate SDPA-style arguments and bring them to the kernels' 4-D form (views, no copies).
 
     An unmasked call whose shapes, dtypes, devices and flags were validated before is only bound
-    (a step calls each layer's shapes again and again); symbolic shapes are always validated."""
+    (a step calls each layer's shapes again and again); symbolic shapes are always validated, and
+    so is every call Dynamo traces (reading the cache there makes Dynamo guard on its contents)."""
     key = None
-    if attn_mask is None and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor:
+    if (attn_mask is None and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and not torch.compiler.is_compiling()):
         try:
             key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
                    v.device, q.is_nested, is_causal, scale, enable_gqa, tuple(window_size))

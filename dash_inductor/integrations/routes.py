@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import logging
 
+import torch
+
 log = logging.getLogger("dash_inductor")
 
 #: Calls per (integration, reason); reason None means dash's op ran. Integrations are "hf",
@@ -20,8 +22,13 @@ counts: collections.Counter[tuple[str, str | None]] = collections.Counter()
 _logged: set[tuple[str, str]] = set()
 
 
+# Under torch.compile Dynamo runs this at trace time and keeps no guard on the counts (reading them
+# in traced code made Dynamo guard on their value and recompile every step): compiled code counts
+# each routing decision once per trace, as a captured CUDA graph counts once per capture.
+@torch.compiler.assume_constant_result
 def record(integration: str, reason: str | None) -> None:
-    """Count one call of ``integration``; log a fallback reason the first time it is seen."""
+    """Count one call of ``integration`` (under torch.compile: one per trace); log a fallback
+    reason the first time it is seen."""
     counts[(integration, reason)] += 1
     if reason is None or (integration, reason) in _logged:
         return
