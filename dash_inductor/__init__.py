@@ -8,7 +8,8 @@ registers the ops and installs the Inductor pass that rewrites SDPA into ``dash.
 """
 
 from . import config, distributed, integrations
-from .library import attention, unsupported_reason
+from .entry import attention
+from .library import unsupported_reason
 from .rewrite import explain
 from .rewrite import install as enable
 from .rewrite import uninstall as disable

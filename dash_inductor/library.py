@@ -16,10 +16,8 @@ cpu_backend, kernel; the op calls the last one ``kernel_path``, as Inductor's fa
 reserve ``kernel``) is a keyword-only argument of both ops, so it is captured when the forward
 runs and saved for the backward. What each launch ran is kept in ``last_plans()``.
 
-An eager call on plain CUDA tensors, outside tracing and dispatch modes, runs the same launches
-through a ``torch.autograd.Function`` instead of the dispatcher's custom-op layers, whose Python
-took most of a small call's host time; everything else (compile, fake tensors, DTensor, modes)
-goes through the ops. Both run the same plans, so the bits are the same.
+``dash_inductor.attention`` (``entry.py``) calls these ops, or, for an eager call on plain CUDA
+tensors, the same library functions through a lean ``torch.autograd.Function``.
 """
 
 from __future__ import annotations
@@ -35,9 +33,10 @@ from torch import Tensor
 from . import config, reference
 from dash_inductor.ops import catalog, dispatch
 from dash_inductor.ops.plan import Plan
-from .shapes import (Canonical, canonicalize, check_not_nested, check_sdpa_flags,
-                     empty_like_layout, unfilled)
-from .window import NO_WINDOW, check_window
+from . import signatures
+from .shapes import Canonical, canonicalize, empty_like_layout, unfilled
+from .signatures import uses_triton
+from .window import NO_WINDOW
 
 #: The latest launches' plans, newest last (host-side values only: recording never syncs).
 _PLANS: collections.deque[Plan] = collections.deque(maxlen=16)
@@ -52,15 +51,6 @@ def record(plan: Plan) -> None:
 def last_plans() -> list[Plan]:
     """What the latest forward and backward launches ran (schedule, kernel path, fallback, grid)."""
     return list(_PLANS)
-
-
-def uses_triton(t: Tensor, cpu_backend: str) -> bool:
-    """Whether the Triton kernels run on ``t``'s device (else the PyTorch reference)."""
-    if t.dtype == torch.float64:
-        return False
-    if t.device.type == "cuda":
-        return True
-    return t.device.type == "cpu" and cpu_backend == "triton"
 
 
 def check_schedule_allowed(schedule: str) -> None:
@@ -195,14 +185,26 @@ def _attention_fake(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
     return c.squeeze(out), c.squeeze(lse)
 
 
-@attention_op.register_kernel(("cpu", "cuda"))
-@unfilled()
 def _attention_kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                       enable_gqa=False, window_size=NO_WINDOW, schedule="auto",
                       max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
-    c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
-                 (schedule, max_spin, cpu_backend, kernel_path))
-    out, lse = _forward(c, cpu_backend, kernel_path)
+    choices = (schedule, max_spin, cpu_backend, kernel_path)
+    with unfilled():
+        if attn_mask is None and dropout_p == 0.0:  # validated at its signature's first call
+            key = signatures.key(q, k, v, (is_causal, scale, enable_gqa, tuple(window_size)),
+                                 choices)
+            signature = signatures.lookup(key)
+            if signature is None:
+                c = _checked(q, k, v, None, dropout_p, is_causal, scale, enable_gqa,
+                             window_size, choices)
+                signature = signatures.remember(key, c, q, k, v, cpu_backend)
+            if signature is not None:
+                out, lse, plan = signature.forward(q, k, v, kernel_path)
+                record(plan)
+                return out, lse
+        c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+                     choices)
+        out, lse = _forward(c, cpu_backend, kernel_path)
     return c.squeeze(out), c.squeeze(lse)
 
 
@@ -231,16 +233,33 @@ def _attention_backward_fake(grad_out, q, k, v, out, logsumexp, attn_mask, is_ca
     return _grads_to_inputs(c, grads, q, k, v)
 
 
-@attention_backward_op.register_kernel(("cpu", "cuda"))
-@unfilled()
 def _attention_backward_kernel(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
                                enable_gqa, *, window_size=NO_WINDOW, schedule="auto",
                                max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
-    config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
-    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
-    do4, out4, lse4 = (_as_canonical_out(c, t) for t in (grad_out, out, logsumexp))
-    grads = _backward(c, do4, out4, lse4, schedule, max_spin, cpu_backend, kernel_path)
+    choices = (schedule, max_spin, cpu_backend, kernel_path)
+    with unfilled():
+        if attn_mask is None:  # the forward's signature: validated at its first call
+            signature = signatures.lookup(signatures.key(
+                q, k, v, (is_causal, scale, enable_gqa, tuple(window_size)), choices))
+            if signature is not None:
+                grads, plan = signature.backward(grad_out, q, k, v, out, logsumexp, schedule,
+                                                 max_spin, kernel_path)
+                record(plan)
+                return grads
+        config.check_choices(choices)
+        c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
+        do4, out4, lse4 = (_as_canonical_out(c, t) for t in (grad_out, out, logsumexp))
+        grads = _backward(c, do4, out4, lse4, schedule, max_spin, cpu_backend, kernel_path)
     return _grads_to_inputs(c, grads, q, k, v)
+
+
+# The kernels are registered below the custom ops' own wrappers, as plain dispatcher kernels: the
+# wrappers' per-call checks (output aliasing, a dynamo-disabled frame) cost more host time than a
+# repeated call's launches. opcheck still checks the aliasing.
+_LIB = torch.library.Library("dash", "FRAGMENT")
+for _device in ("CPU", "CUDA"):
+    _LIB.impl("attention", _attention_kernel, _device)
+    _LIB.impl("attention_backward", _attention_backward_kernel, _device)
 
 
 @torch.library.custom_op(
@@ -313,74 +332,6 @@ def forbid_double_backward(op, name: str) -> None:
 
 forbid_double_backward(attention_backward_op, "dash.attention")
 forbid_double_backward(attention_mask_grad_op, "dash.attention (its mask gradient)")
-
-
-class _EagerAttention(torch.autograd.Function):
-    """The eager fast path: the ops' forward and backward kernels, called directly."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, c: Canonical, choices: tuple, enable_gqa: bool):
-        with unfilled():
-            out, lse = _forward(c, choices[2], choices[3])
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # no zeros for lse's gradient: it has none
-        ctx.save_for_backward(q, k, v, out, lse)
-        # No tensor in the context: saved-tensor hooks (offloading, checkpointing) see them all.
-        ctx.form, ctx.choices, ctx.enable_gqa = c.form(), choices, enable_gqa
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        form, (schedule, max_spin, cpu_backend, kernel_path) = ctx.form, ctx.choices
-        if torch.is_grad_enabled():  # create_graph: the op's backward refuses a second derivative
-            grads = attention_backward_op(
-                grad_out, q, k, v, out, lse, None, form.is_causal, form.scale, ctx.enable_gqa,
-                window_size=list(form.window), schedule=schedule, max_spin=max_spin,
-                cpu_backend=cpu_backend, kernel_path=kernel_path)
-            return (*grads, None, None, None)
-        c = form.bind(q, k, v)
-        with unfilled():
-            grads = _backward(c, grad_out, out, lse, schedule, max_spin, cpu_backend,
-                              kernel_path)
-        return (*_grads_to_inputs(c, grads, q, k, v), None, None, None)
-
-
-def _eager_cuda(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> bool:
-    """Whether a call may skip the dispatcher: plain 4-D CUDA tensors without a mask, no tracing,
-    no mode or functorch transform that would want to see the op."""
-    return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and attn_mask is None
-            and q.is_cuda and q.dim() == 4 and q.dtype != torch.float64
-            and not torch.compiler.is_compiling()
-            and torch._C._len_torch_function_stack() == 0
-            and torch._C._len_torch_dispatch_stack() == 0
-            and torch._C._functorch.peek_interpreter_stack() is None)
-
-
-def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-              dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
-              enable_gqa: bool = False, window_size: tuple[int, int] = NO_WINDOW,
-              schedule: str | None = None, kernel: str | None = None) -> Tensor:
-    """Deterministic ``torch.nn.functional.scaled_dot_product_attention``: SDPA's signature, its
-    positional order and its keyword-only ``scale`` and ``enable_gqa``; ``dropout_p`` must be 0.0.
-
-    ``window_size=(left, right)``: a sliding window with FlashAttention's meaning, top-left
-    aligned like ``is_causal`` (``window.py``); (-1, -1) is none. ``schedule`` and ``kernel``
-    (None: ``dash_inductor.config``'s) and the rest of ``config.CHOICES`` are read now, so the
-    backward runs what was in force at this call.
-    """
-    check_not_nested(query, key, value)
-    check_sdpa_flags(is_causal, scale, enable_gqa, "dash.attention")
-    check_no_dropout(dropout_p)
-    choices = config.choices(schedule=schedule, kernel=kernel)
-    # Checked here too: the schema's own cast errors would not name the argument.
-    window = check_window(window_size, "dash.attention")
-    if _eager_cuda(query, key, value, attn_mask):
-        check_schedule_allowed(choices["schedule"])
-        c = canonicalize(query, key, value, None, is_causal, scale, enable_gqa, window)
-        return _EagerAttention.apply(query, key, value, c, tuple(choices.values()), enable_gqa)[0]
-    return attention_op(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
-                        enable_gqa=enable_gqa, **op_options(choices, window))[0]
 
 
 def unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -248,8 +248,7 @@ def empty_like_layout(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype |
     return torch.empty(shape, dtype=dtype, device=like.device)
 
 
-@contextlib.contextmanager
-def unfilled() -> Iterator[None]:
+class unfilled(contextlib.ContextDecorator):
     """Allocate without PyTorch's deterministic-mode fill, for buffers the kernels write in full.
 
     Under ``torch.use_deterministic_algorithms(True)`` every ``torch.empty`` also launches a kernel
@@ -257,14 +256,21 @@ def unfilled() -> Iterator[None]:
     so that a read of memory never written is reproducible. The dash kernels write every element
     of their outputs and buffers, so the fill is pure cost: eight launches and their host time a
     forward and backward. The flag is process-wide: allocations of other threads during the
-    call are not filled either.
+    call are not filled either. A class rather than a generator: it is entered twice a call.
     """
-    deterministic = torch.utils.deterministic
-    if not (deterministic.fill_uninitialized_memory and torch.are_deterministic_algorithms_enabled()):
-        yield
-        return
-    deterministic.fill_uninitialized_memory = False
-    try:
-        yield
-    finally:
-        deterministic.fill_uninitialized_memory = True
+
+    __slots__ = ("_restore",)
+
+    def _recreate_cm(self) -> "unfilled":  # as a decorator: a fresh state for each (nested) call
+        return type(self)()
+
+    def __enter__(self) -> None:
+        deterministic = torch.utils.deterministic
+        self._restore = (deterministic.fill_uninitialized_memory
+                         and torch.are_deterministic_algorithms_enabled())
+        if self._restore:
+            deterministic.fill_uninitialized_memory = False
+
+    def __exit__(self, *exc: object) -> None:
+        if self._restore:
+            torch.utils.deterministic.fill_uninitialized_memory = True

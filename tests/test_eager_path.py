@@ -10,12 +10,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dash_inductor
-from dash_inductor import config, library
+from dash_inductor import config, entry
 
 
 @pytest.fixture
 def forced(monkeypatch):
-    monkeypatch.setattr(library, "_eager_cuda", lambda *args: True)
+    monkeypatch.setattr(entry, "_eager_cuda", lambda *args: True)
 
 
 def _inputs(seed=0, shape=(2, 3, 40, 16)):
@@ -29,7 +29,7 @@ def test_the_fast_path_gives_the_ops_bits(monkeypatch, cpu_backend):
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
     results = []
     for fast in (False, True):
-        monkeypatch.setattr(library, "_eager_cuda", lambda *args, fast=fast: fast)
+        monkeypatch.setattr(entry, "_eager_cuda", lambda *args, fast=fast: fast)
         with config.patch(cpu_backend=cpu_backend, schedule="shift"):
             out = dash_inductor.attention(q, k, v, is_causal=True)
         out.backward(grad)
@@ -64,9 +64,51 @@ class _Mode(TorchDispatchMode):
 
 def test_modes_masks_and_cpu_tensors_go_through_the_op():
     q, k, v = (t.detach() for t in _inputs())
-    assert not library._eager_cuda(q, k, v, None)  # a CPU tensor
+    assert not entry._eager_cuda(q, k, v, None)  # a CPU tensor
     meta = torch.empty(1, 2, 8, 16, device="meta")
-    assert not library._eager_cuda(meta, meta, meta, None)
+    assert not entry._eager_cuda(meta, meta, meta, None)
     with _Mode():
-        assert not library._eager_cuda(q, k, v, None)
-    assert not library._eager_cuda(q, k, v, torch.ones(40, 40, dtype=torch.bool))
+        assert not entry._eager_cuda(q, k, v, None)
+    assert not entry._eager_cuda(q, k, v, torch.ones(40, 40, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["eager-function", "op"])
+def test_a_repeated_signature_skips_planning_and_gives_the_same_bits(monkeypatch, fast):
+    """Through either entry, the second call of a signature reuses the dispatcher's plans (no
+    planning, no validation), a gradient of another layout plans once more, and the bits equal
+    those of calls that planned everything. (The interpreter runs programs one after another:
+    this checks reuse and order, not races.)"""
+    from dash_inductor import signatures
+    from dash_inductor.ops import dispatch
+
+    q, k, v = _inputs(shape=(1, 2, 24, 16))
+    grads = [torch.randn(q.shape, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    transposed = grads[1].transpose(1, 2).contiguous().transpose(1, 2)  # another stride class
+    monkeypatch.setattr(entry, "_eager_cuda", lambda *args: fast)
+
+    def run(grad):
+        out = dash_inductor.attention(q, k, v, is_causal=True)
+        out.backward(grad)
+        result = [out.detach(), *(t.grad.clone() for t in (q, k, v))]
+        for t in (q, k, v):
+            t.grad = None
+        return result
+
+    with config.patch(cpu_backend="triton", schedule="shift"):
+        expected = []
+        for grad in (grads[0], transposed):
+            signatures.clear()
+            expected.append(run(grad))
+        signatures.clear()
+        calls = []
+        for name in ("attention_forward", "attention_backward"):
+            original = getattr(dispatch, name)
+            monkeypatch.setattr(dispatch, name,
+                                lambda *a, _o=original, _n=name, **kw: calls.append(_n) or _o(*a, **kw))
+        first = run(grads[0])
+        assert calls == ["attention_forward", "attention_backward"]
+        repeat = run(grads[0])
+        other_layout = run(transposed)
+        assert calls == ["attention_forward", "attention_backward", "attention_backward"]
+    for got, want in ((first, expected[0]), (repeat, expected[0]), (other_layout, expected[1])):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

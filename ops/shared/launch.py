@@ -158,12 +158,15 @@ def warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-#: Watched launches: (pinned host copy of the flag, event after the copy, the device, what).
-_PENDING: list[tuple[torch.Tensor, "torch.cuda.Event", int,
-                     str | Callable[[int], Exception]]] = []
-#: Pinned flags and events of launches already looked at, by device, for reuse (allocating them
-#: anew was a visible part of a backward call's host time).
-_FREE: dict[int, list[tuple[torch.Tensor, "torch.cuda.Event"]]] = {}
+#: Watched launches: (the flag's pinned host copy as an array, event after the copy, the device,
+#: what to raise).
+_PENDING: list[tuple[object, "torch.cuda.Event", int, str | Callable[[int], Exception]]] = []
+#: Pinned flags (tensor, array view) and events of launches already looked at, by device, for
+#: reuse: allocating them anew was a visible part of a backward call's host time.
+_FREE: dict[int, list[tuple[torch.Tensor, object, "torch.cuda.Event"]]] = {}
+#: Stream objects by (device, raw stream): ``torch.cuda.current_stream()`` builds one in Python
+#: at each call, which cost more than the copy it orders.
+_STREAMS: dict[tuple[int, int], "torch.cuda.Stream"] = {}
 
 
 def _spin_error(what: str) -> RuntimeError:
@@ -180,21 +183,34 @@ def check_spin_flags(wait: bool = False) -> None:
     Looks only at launches the GPU has finished, so it never blocks the host, unless ``wait``:
     then it waits for every watched launch (tests, and callers that want the answer now).
     """
+    if not _PENDING:
+        return
     failed, pending = None, []
-    for host_flag, done, device, what in _PENDING:
+    for entry in _PENDING:
+        host_flag, done, device, what = entry
         if wait:
             done.synchronize()
         if done.query():
-            value = int(host_flag[0])
+            value = int(host_flag[1][0])
             if failed is None and value != 0:
                 failed = what, value
-            _FREE.setdefault(device, []).append((host_flag, done))
+            _FREE.setdefault(device, []).append((*host_flag, done))
         else:
-            pending.append((host_flag, done, device, what))
+            pending.append(entry)
     _PENDING[:] = pending
     if failed is not None:
         what, code = failed
         raise what(code) if callable(what) else _spin_error(what)
+
+
+def _current_stream(device: int) -> "torch.cuda.Stream":
+    key = (device, torch._C._cuda_getCurrentRawStream(device))
+    stream = _STREAMS.get(key)
+    if stream is None:
+        if len(_STREAMS) >= 64:
+            _STREAMS.clear()
+        stream = _STREAMS[key] = torch.cuda.current_stream(device)
+    return stream
 
 
 def watch_spin_flag(error_flag: torch.Tensor, what: str | Callable[[int], Exception]) -> None:
@@ -209,9 +225,10 @@ def watch_spin_flag(error_flag: torch.Tensor, what: str | Callable[[int], Except
     device = error_flag.device.index or 0
     free = _FREE.get(device)
     if free:
-        host_flag, done = free.pop()
+        host_flag, array, done = free.pop()
     else:
-        host_flag, done = torch.empty((1,), dtype=torch.int32, pin_memory=True), torch.cuda.Event()
+        host_flag = torch.empty((1,), dtype=torch.int32, pin_memory=True)
+        array, done = host_flag.numpy(), torch.cuda.Event()
     host_flag.copy_(error_flag, non_blocking=True)
-    done.record()
-    _PENDING.append((host_flag, done, device, what))
+    done.record(_current_stream(device))
+    _PENDING.append(((host_flag, array), done, device, what))

@@ -1,0 +1,114 @@
+"""``dash_inductor.attention``: SDPA's signature, validated, then the op or the eager fast path.
+
+A call on plain 4-D CUDA tensors without a mask, outside tracing, dispatch modes and functorch
+transforms, runs the op's launches through a ``torch.autograd.Function`` instead of the custom-op
+layers, whose Python took most of a small call's host time; a repeated signature reuses its plans
+(``signatures.py``). Everything else goes through ``dash::attention``. Both run the same plans,
+so the bits are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import config, signatures
+from .library import (_backward, _forward, _grads_to_inputs, attention_backward_op, attention_op,
+                      check_no_dropout, check_schedule_allowed, op_options, record)
+from .shapes import canonicalize, check_not_nested, check_sdpa_flags, unfilled
+from .window import NO_WINDOW, check_window
+
+
+def _first_call(q: Tensor, k: Tensor, v: Tensor, flags: tuple, choices: tuple,
+                key: tuple) -> tuple[Tensor, Tensor, signatures.Signature | None]:
+    """Validate and run a signature's first call; remember it where repeats can reuse it."""
+    is_causal, scale, enable_gqa, window = flags
+    check_schedule_allowed(choices[0])
+    c = canonicalize(q, k, v, None, is_causal, scale, enable_gqa, window)
+    signature = signatures.remember(key, c, q, k, v, choices[2])
+    if signature is None:
+        out, lse = _forward(c, choices[2], choices[3])
+        return out, lse, None
+    out, lse, plan = signature.forward(q, k, v, choices[3])
+    record(plan)
+    return out, lse, signature
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The eager fast path: the ops' forward and backward kernels, called directly."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, flags: tuple, choices: tuple):
+        key = signatures.key(q, k, v, flags, choices)
+        signature = signatures.lookup(key)
+        with unfilled():
+            if signature is None:
+                out, lse, signature = _first_call(q, k, v, flags, choices, key)
+            else:
+                out, lse, plan = signature.forward(q, k, v, choices[3])
+                record(plan)
+        # The logsumexp is saved, not returned: a second output costs autograd more host time
+        # than the rest of the call's bookkeeping. No tensor in the context either, so that
+        # saved-tensor hooks (offloading, checkpointing) see them all.
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.signature, ctx.flags, ctx.choices = signature, flags, choices
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        schedule, max_spin, cpu_backend, kernel_path = ctx.choices
+        is_causal, scale, enable_gqa, window = ctx.flags
+        if torch.is_grad_enabled():  # create_graph: the op's backward refuses a second derivative
+            grads = attention_backward_op(
+                grad_out, q, k, v, out, lse, None, is_causal, scale, enable_gqa,
+                window_size=list(window), schedule=schedule, max_spin=max_spin,
+                cpu_backend=cpu_backend, kernel_path=kernel_path)
+            return (*grads, None, None)
+        signature = ctx.signature
+        with unfilled():
+            if signature is None:
+                c = canonicalize(q, k, v, None, is_causal, scale, enable_gqa, window)
+                grads = _grads_to_inputs(c, _backward(c, grad_out, out, lse, schedule, max_spin,
+                                                      cpu_backend, kernel_path), q, k, v)
+            else:
+                grads, plan = signature.backward(grad_out, q, k, v, out, lse, schedule, max_spin,
+                                                 kernel_path)
+                record(plan)
+        return (*grads, None, None)
+
+
+def _eager_cuda(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> bool:
+    """Whether a call may skip the dispatcher: plain 4-D CUDA tensors without a mask, no tracing,
+    no mode or functorch transform that would want to see the op."""
+    return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and attn_mask is None
+            and q.is_cuda and q.dim() == 4 and q.dtype != torch.float64
+            and not torch.compiler.is_compiling()
+            and torch._C._len_torch_function_stack() == 0
+            and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._functorch.peek_interpreter_stack() is None)
+
+
+def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+              enable_gqa: bool = False, window_size: tuple[int, int] = NO_WINDOW,
+              schedule: str | None = None, kernel: str | None = None) -> Tensor:
+    """Deterministic ``torch.nn.functional.scaled_dot_product_attention``: SDPA's signature, its
+    positional order and its keyword-only ``scale`` and ``enable_gqa``; ``dropout_p`` must be 0.0.
+
+    ``window_size=(left, right)``: a sliding window with FlashAttention's meaning, top-left
+    aligned like ``is_causal`` (``window.py``); (-1, -1) is none. ``schedule`` and ``kernel``
+    (None: ``dash_inductor.config``'s) and the rest of ``config.CHOICES`` are read now, so the
+    backward runs what was in force at this call.
+    """
+    check_not_nested(query, key, value)
+    check_sdpa_flags(is_causal, scale, enable_gqa, "dash.attention")
+    check_no_dropout(dropout_p)
+    choices = config.choices(schedule=schedule, kernel=kernel)
+    # Checked here too: the schema's own cast errors would not name the argument.
+    window = check_window(window_size, "dash.attention")
+    if _eager_cuda(query, key, value, attn_mask):
+        flags = (is_causal, scale, enable_gqa, window)
+        return _EagerAttention.apply(query, key, value, flags, tuple(choices.values()))
+    return attention_op(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
+                        enable_gqa=enable_gqa, **op_options(choices, window))[0]

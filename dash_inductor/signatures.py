@@ -1,0 +1,114 @@
+"""Plans kept per call signature, for the unmasked calls that a training step repeats.
+
+The dispatcher caches its plans by a signature it reads from every tensor of a launch (seven in a
+backward). A step calls each attention layer with the same shapes again and again; for the common
+call (no mask, inputs already the kernels' 4-D views, a Triton path) this module keys the
+dispatcher's plans by the caller's q, k, v, flags and choices instead, and knows how to allocate
+the outputs, so a repeated call allocates and launches without validating or planning again.
+Both public entries use it: the eager ``autograd.Function`` and the op's kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dash_inductor.ops import dispatch
+from dash_inductor.ops.plan import Plan
+from .shapes import Canonical, empty_like_layout
+
+_MAXSIZE = 1024  #: as the dispatcher's cache: a model has a handful of shapes per layer
+
+
+def uses_triton(t: Tensor, cpu_backend: str) -> bool:
+    """Whether the Triton kernels run on ``t``'s device (else the PyTorch reference)."""
+    if t.dtype == torch.float64:
+        return False
+    if t.device.type == "cuda":
+        return True
+    return t.device.type == "cpu" and cpu_backend == "triton"
+
+
+class Signature:
+    """What one signature decided: its canonical form, the forward plan, the backward plans by
+    the layouts a backward adds (the incoming gradient; out and logsumexp as the caller kept them),
+    and which inputs ``torch.empty_like`` reproduces (dense ones): their outputs and gradients are
+    allocated that way, the cheapest allocation there is, at the first call as at every other."""
+
+    __slots__ = ("form", "forward_plan", "backward_plans", "dense")
+
+    def __init__(self, c: Canonical) -> None:
+        self.form, self.forward_plan, self.backward_plans = c.form(), None, {}
+        self.dense = tuple(torch.empty_like(t).stride() == t.stride() for t in (c.q, c.k, c.v))
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kernel: str
+                ) -> tuple[Tensor, Tensor, Plan]:
+        """(out, float32 logsumexp, the plan that ran); ``out`` laid out as the query."""
+        form, plan = self.form, self.forward_plan
+        same = self.dense[0] and form.v_shape[3] == form.q_shape[3]
+        out = (torch.empty_like(q) if same
+               else empty_like_layout(q, (*form.q_shape[:3], form.v_shape[3])))
+        lse = q.new_empty(form.q_shape[:3], dtype=torch.float32)
+        if plan is None:
+            plan = self.forward_plan = dispatch.attention_forward(
+                q, k, v, None, out, lse, is_causal=form.is_causal, scale=form.scale,
+                kernel=kernel, window=form.window)
+        else:
+            plan.run(plan, q, k, v, None, out, lse, form.scale)
+        return out, lse, plan
+
+    def backward(self, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                 lse: Tensor, schedule: str, max_spin: int, kernel: str
+                 ) -> tuple[tuple[Tensor, Tensor, Tensor], Plan]:
+        """(dq, dk, dv laid out as q, k, v; the plan that ran)."""
+        form = self.form
+        layout = (grad_out.stride(), grad_out.data_ptr() % 16, grad_out.dtype, out.stride(),
+                  out.data_ptr() % 16, lse.stride(), torch.backends.cuda.matmul.allow_tf32)
+        plan = self.backward_plans.get(layout)
+        dq, dk, dv = (torch.empty_like(t) if dense else empty_like_layout(t, tuple(t.shape))
+                      for t, dense in zip((q, k, v), self.dense))
+        if plan is None:
+            plan = self.backward_plans[layout] = dispatch.attention_backward(
+                grad_out, q, k, v, out, lse, None, dq, dk, dv, is_causal=form.is_causal,
+                scale=form.scale, schedule=schedule, max_spin=max_spin, kernel=kernel,
+                window=form.window)
+        else:
+            plan.run(plan, grad_out, q, k, v, out, lse, None, dq, dk, dv, form.scale, max_spin)
+        return (dq, dk, dv), plan
+
+
+_SIGNATURES: dict[tuple, Signature] = {}
+
+
+def key(q: Tensor, k: Tensor, v: Tensor, flags: tuple, choices: tuple) -> tuple:
+    """A call's signature: ``flags`` (is_causal, scale, enable_gqa, window) and ``choices``
+    (``config.CHOICES``' values) as given, the tensors' layouts, and the modes that the checks
+    made at a first call (determinism) and the plans (TF32) depend on."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16,
+            v.data_ptr() % 16, flags, choices, torch.backends.cuda.matmul.allow_tf32,
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled())
+
+
+def lookup(signature_key: tuple) -> Signature | None:
+    return _SIGNATURES.get(signature_key)
+
+
+def remember(signature_key: tuple, c: Canonical, q: Tensor, k: Tensor, v: Tensor,
+             cpu_backend: str) -> Signature | None:
+    """A new signature for a validated call ``c`` of ``q``, ``k``, ``v``, kept when repeats can
+    reuse it: the inputs are the kernels' own 4-D views (no broadcast, no 3-D), not empty, and a
+    Triton path runs them. None otherwise (the caller takes the general path each time)."""
+    if not (c.q is q and c.k is k and c.v is v and c.mask is None and q.numel() > 0
+            and k.shape[2] > 0 and uses_triton(q, cpu_backend)):
+        return None
+    if len(_SIGNATURES) >= _MAXSIZE:
+        _SIGNATURES.clear()
+    signature = _SIGNATURES[signature_key] = Signature(c)
+    return signature
+
+
+def clear() -> None:
+    """Forget every signature (``dash_inductor.ops.cache_clear`` clears the plans they hold)."""
+    _SIGNATURES.clear()
