@@ -32,7 +32,7 @@ from torch._inductor.pattern_matcher import (
     register_graph_pattern,
 )
 
-from dash_inductor import config, library, rewrite_fused, sites
+from dash_inductor import config, library, rewrite_fused, sites, unmatched
 from dash_inductor.library import op_options, unsupported_reason
 from dash_inductor.rewrite_fused import fused_patterns
 from dash_inductor.sites import (DECIDED, SDPA_PARAMS, SiteReport, disabled_reason,
@@ -136,6 +136,28 @@ def _rewrite_sdpa_call(match: Match, *args: Any, **kwargs: Any) -> None:
     graph.erase_node(node)
 
 
+@register_graph_pattern(CallFunctionVarArgs(F.multi_head_attention_forward, users=MULTIPLE),
+                        pass_dict=_pre_grad_patterns)
+def _report_mha_call(match: Match, *args: Any, **kwargs: Any) -> None:
+    """Report an ``nn.MultiheadAttention`` call whose SDPA call dash cannot take (or that has
+    none); one that can reaches the joint pass as a fused SDPA op."""
+    node = match.nodes[0]
+    reason = unmatched.mha_reason(node)
+    if reason is not None:
+        report_site(node, "pre-grad", reason)
+        node.meta.setdefault("custom", {})[DECIDED] = reason
+
+
+def _pre_grad(graph: torch.fx.Graph) -> None:
+    _pre_grad_patterns.apply(graph)
+    unmatched.tag_softmax(graph)
+
+
+def _joint(graph: torch.fx.Graph) -> None:
+    unmatched.report_unfused_softmax(graph)
+    fused_patterns.apply(graph)
+
+
 def _as_passes(hook_value: Any) -> tuple[Callable[..., Any], ...]:
     """The passes held by an Inductor hook: None, one callable, or (2.13+) a list or tuple."""
     if hook_value is None:
@@ -153,7 +175,7 @@ class ChainedPass(CustomGraphPass):
     ``uninstall()`` puts back exactly that value.
     """
 
-    def __init__(self, hook: str, rewrite: Callable[[torch.fx.Graph], int]) -> None:
+    def __init__(self, hook: str, rewrite: Callable[[torch.fx.Graph], Any]) -> None:
         self.hook = hook
         self.rewrite = rewrite
         self.chained: Any = None
@@ -200,9 +222,9 @@ class ChainedPass(CustomGraphPass):
 
 #: The pass's code and the op's schema/fake kernels/acceptance rules decide the rewritten graph.
 _SOURCE_HASH = get_hash_for_files(
-    (__file__, sites.__file__, rewrite_fused.__file__, library.__file__))
-PRE_GRAD_PASS = ChainedPass("pre_grad_custom_pass", _pre_grad_patterns.apply)
-JOINT_PASS = ChainedPass("joint_custom_post_pass", fused_patterns.apply)
+    (__file__, sites.__file__, rewrite_fused.__file__, unmatched.__file__, library.__file__))
+PRE_GRAD_PASS = ChainedPass("pre_grad_custom_pass", _pre_grad)
+JOINT_PASS = ChainedPass("joint_custom_post_pass", _joint)
 
 
 def _installed_pass(hook: str, uuid: Any = None) -> ChainedPass:
@@ -211,9 +233,11 @@ def _installed_pass(hook: str, uuid: Any = None) -> ChainedPass:
 
 
 def install() -> None:
-    """Put the passes into Inductor's hooks, chaining whatever the hooks held (idempotent)."""
+    """Put the passes into Inductor's hooks, chaining whatever the hooks held (idempotent), and
+    have Dynamo trace nn.Transformer's mask canonicalisation without a graph break (for good)."""
     PRE_GRAD_PASS.install()
     JOINT_PASS.install()
+    unmatched.canonical_mask_without_graph_break()
 
 
 def uninstall() -> None:
@@ -227,14 +251,24 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[SiteRepor
     whether its attention was rewritten to dash.attention, and if not, why.
 
     The compile runs under a fresh Inductor cache and with a backend of its own, so neither the
-    FX graph cache nor an earlier ``torch.compile`` of ``fn`` hides the passes. The decision is the
-    one a real compile would take now (it follows the determinism mode and ``config.rewrite``).
+    FX graph cache nor an earlier ``torch.compile`` of ``fn`` hides the passes; it runs Inductor's
+    graph passes but not its code generation (the call runs the graph Dynamo captured). The
+    decision is the one a real compile would take now (it follows the determinism mode and
+    ``config.rewrite``).
     """
+    from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.utils import fresh_inductor_cache
 
+    def unused(gm: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        return make_boxed_func(gm.forward)
+
     def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        return compile_fx(gm, example_inputs)
+        # Inductor's graph passes, ours among them, run while compile_fx traces; its code
+        # generation, the costliest part and one that decides nothing reported here, is skipped,
+        # and the call runs the graph Dynamo captured.
+        compile_fx(gm, example_inputs, inner_compile=unused)
+        return gm.forward
 
     with recording() as records, fresh_inductor_cache(), _installed_for_reports():
         torch.compile(fn, backend=inductor)(*args, **kwargs)

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import re
+import types
 from typing import Any, Iterator
 
 import torch
@@ -29,10 +30,14 @@ class SiteReport:
     """What the pass did with one attention call site, as ``explain()`` returns it."""
 
     site: str  #: where the call is in the user's code ("file:line in function"), or the node name
-    call: str  #: the call that was seen, e.g. "torch.nn.functional.scaled_dot_product_attention"
+    #: the call that was seen, e.g. "torch.nn.functional.scaled_dot_product_attention",
+    #: "torch.nn.functional.multi_head_attention_forward", or the softmax of attention without SDPA
+    call: str
     rewritten: bool
     reason: str | None  #: why it was left alone; None when rewritten
-    graph: str  #: "pre-grad" (user's SDPA call) or "joint" (attention fused by Inductor)
+    #: "pre-grad" (the user's SDPA or nn.MultiheadAttention call) or "joint" (attention fused by
+    #: Inductor, or attention that reached the joint graph with no SDPA call)
+    graph: str
     #: the backward schedule baked into the rewritten call ("auto": the launcher's rule); None if
     #: not rewritten. What actually ran is in ``dash_inductor.library.last_plans()``.
     schedule: str | None = None
@@ -99,29 +104,46 @@ def _site_of(node: torch.fx.Node, graph: str) -> str:
     return f"node {node.name}, {where}"
 
 
+def call_name(target: Any) -> str:
+    """How a report names a call: functions by their public path (SDPA's is a builtin of
+    ``torch._C._nn``), a method by its name, ops as they print."""
+    if target is F.scaled_dot_product_attention:
+        return "torch.nn.functional.scaled_dot_product_attention"
+    if isinstance(target, (types.FunctionType, types.BuiltinFunctionType)):
+        return f"{target.__module__ or 'torch'}.{target.__name__}"
+    return str(target)
+
+
 def report_site(node: torch.fx.Node, graph: str, reason: str | None,
                 choices: dict[str, Any] | None = None) -> None:
     """Record the decision for explain(), and log it once per (site, call, reason, schedule,
     kernel). ``choices`` are the op arguments baked into a rewritten call."""
-    functional = node.target is F.scaled_dot_product_attention
-    call = "torch.nn.functional.scaled_dot_product_attention" if functional else str(node.target)
     baked = choices if reason is None and choices else {}
     query = example_value(node.args[0] if node.args else node.kwargs.get("query"))
     if reason is None and isinstance(query, torch.Tensor):
         note_device(query.device)
-    report = SiteReport(_site_of(node, graph), call, reason is None, reason, graph,
-                        baked.get("schedule"), baked.get("kernel"))
+    _record(SiteReport(_site_of(node, graph), call_name(node.target), reason is None, reason,
+                       graph, baked.get("schedule"), baked.get("kernel")))
+
+
+def report_unfused(site: str, call: str, reason: str) -> None:
+    """Record attention that reached the joint graph without any SDPA call (never rewritten)."""
+    _record(SiteReport(site, call, False, reason, "joint"))
+
+
+def _record(report: SiteReport) -> None:
     for recorder in recorders:
         recorder.append(report)
-    key = (report.site, report.call, reason, report.schedule, report.kernel)
+    key = (report.site, report.call, report.reason, report.schedule, report.kernel)
     if key in _logged:
         return
     _logged.add(key)
-    if reason is None:
+    if report.rewritten:
         log.debug("dash_inductor: %s at %s rewritten to dash.attention (schedule %r, kernel %r)",
                   report.call, report.site, report.schedule, report.kernel)
     else:
-        log.info("dash_inductor: %s at %s left as it is: %s", report.call, report.site, reason)
+        log.info("dash_inductor: %s at %s left as it is: %s", report.call, report.site,
+                 report.reason)
 
 
 def example_value(value: Any) -> Any:

@@ -35,7 +35,8 @@ _UNSUPPORTED_KWARGS = {
 }
 _WEIGHTS = "output_attentions=True needs the attention weights, which dash does not return"
 #: The fallbacks that run the model's eager attention; every other one runs transformers' SDPA.
-_EAGER_REASONS = {_UNSUPPORTED_KWARGS["softcap"], _UNSUPPORTED_KWARGS["s_aux"], _WEIGHTS + _BY_EAGER}
+_EAGER_REASONS = {_UNSUPPORTED_KWARGS["softcap"], _UNSUPPORTED_KWARGS["s_aux"],
+                  _WEIGHTS + _BY_EAGER}
 
 
 def _reason(query: Tensor, key: Tensor, value: Tensor, mask: Any, dropout: float,
@@ -61,7 +62,8 @@ def _additive(mask: Tensor | None, causal: bool, query: Tensor, key: Tensor) -> 
     if mask is None or mask.dtype != torch.bool:
         return mask
     minimum = torch.finfo(query.dtype).min
-    return torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, minimum)
+    zeros = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device)
+    return zeros.masked_fill(~mask, minimum)
 
 
 def _eager_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
