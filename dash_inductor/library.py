@@ -216,24 +216,23 @@ def _attention_kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, r
     "dash::attention_backward", mutates_args=(),
     schema=("(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor logsumexp, "
             f"Tensor? attn_mask, bool is_causal, float? scale, bool enable_gqa, {_RNG_SCHEMA}, *, "
-            f"{OPTIONS_SCHEMA}, float dropout_p=0.0) -> (Tensor, Tensor, Tensor)"))
+            f"float dropout_p=0.0, {OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)"))
 def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                           logsumexp: Tensor, attn_mask: Tensor | None, is_causal: bool,
                           scale: float | None, enable_gqa: bool,
-                          rng_state: Tensor | None = None, *,
+                          rng_state: Tensor | None = None, *, dropout_p: float = 0.0,
                           window_size: Sequence[int] = NO_WINDOW, schedule: str = "auto",
                           max_spin: int = _MAX_SPIN, cpu_backend: str = "reference",
-                          kernel_path: str = "auto",
-                          dropout_p: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                          kernel_path: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     raise NotImplementedError(f"dash.attention_backward has no kernel for device "
                               f"{q.device.type!r}; supported: cpu, cuda")
 
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
-                             enable_gqa, rng_state=None, *, window_size=NO_WINDOW,
-                             schedule="auto", max_spin=_MAX_SPIN, cpu_backend="reference",
-                             kernel_path="auto", dropout_p=0.0):
+                             enable_gqa, rng_state=None, *, dropout_p=0.0,
+                             window_size=NO_WINDOW, schedule="auto", max_spin=_MAX_SPIN,
+                             cpu_backend="reference", kernel_path="auto"):
     c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
                  (schedule, max_spin, cpu_backend, kernel_path), rng_state)
     grads = _allocate_grads(c)
@@ -243,9 +242,9 @@ def _attention_backward_fake(grad_out, q, k, v, out, logsumexp, attn_mask, is_ca
 @attention_backward_op.register_kernel(("cpu", "cuda"))
 @unfilled()
 def _attention_backward_kernel(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
-                               enable_gqa, rng_state=None, *, window_size=NO_WINDOW,
-                               schedule="auto", max_spin=_MAX_SPIN, cpu_backend="reference",
-                               kernel_path="auto", dropout_p=0.0):
+                               enable_gqa, rng_state=None, *, dropout_p=0.0,
+                               window_size=NO_WINDOW, schedule="auto", max_spin=_MAX_SPIN,
+                               cpu_backend="reference", kernel_path="auto"):
     c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
                  (schedule, max_spin, cpu_backend, kernel_path), rng_state)
     do4, out4, lse4 = (_as_canonical_out(c, t) for t in (grad_out, out, logsumexp))
