@@ -11,7 +11,10 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib  # noqa: E402
 import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -268,3 +271,54 @@ def test_dropout_runs_on_the_portable_kernels_with_the_reason_in_the_plan():
     assert path == "portable" and "dropout" in reason
     with pytest.raises(ValueError, match="kernel='hopper' cannot run.*dropout"):
         rules.backward_path("hopper", "auto", q, q, q, None, (-1, -1), dropout=True)
+
+
+def _sm90_signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
+    floats = ("qk_scale", "sm_scale", "drop_scale")
+    return {name: "constexpr" if name in constexprs else pointers.get(name) or (
+            "fp32" if name in floats else "i32") for name in kernel.arg_names}
+
+
+_SM90_CASES = {
+    "forward": ("forward", "_attention_forward_kernel", dict(
+        GROUP=1, E=64, EV=64, HEAD_E=64, HEAD_EV=64, BLOCK_M=128, BLOCK_N=64, EVEN_M=True,
+        CAUSAL=True, MASK_KIND=0, WINDOW=False, VARLEN=False, PRECISION="tf32")),
+    "backward": ("backward", "_backward_main_kernel", dict(
+        GROUP=1, E=128, EV=128, HEAD_E=128, HEAD_EV=128, BLOCK_M=64, BLOCK_N=128, CAUSAL=False,
+        MASK_KIND=0, EVEN_L=True, EVEN_S=True, WINDOW=False, VARLEN=False, SCHEDULE=0,
+        NUM_SLOTS=1, ORDERED=True, COMPUTE_DQ=True, ORDERED_WAITS=True, PRECISION="tf32")),
+    "dq_pass": ("dq_pass", "_backward_dq_kernel", dict(
+        GROUP=1, E=128, EV=128, HEAD_E=128, HEAD_EV=128, BLOCK_M=64, BLOCK_N=64, EVEN_M=True,
+        CAUSAL=True, MASK_KIND=0, WINDOW=False, VARLEN=False, PRECISION="tf32")),
+}
+
+
+def _compile_sm90(name: str) -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, kernel_name, constexprs = _SM90_CASES[name]
+    package = "dash_inductor.ops.shared." if module == "dq_pass" else "dash_inductor.ops.portable."
+    kernel = getattr(importlib.import_module(package + module), kernel_name)
+    constexprs = dict(constexprs, DROPOUT=True)
+    pointers = {n: "*bf16" for n in ("Q", "K", "V", "DO", "MASK", "OUT", "DK", "DV", "DQ")}
+    pointers.update(LSE="*fp32", DELTA="*fp32", DQACC="*fp32", RNG="*i64", TICKETS="*i32",
+                    ERR="*i32", WORK_COUNTER="*i32", CU_Q="*i32", CU_K="*i32")
+    source = ASTSource(fn=kernel, signature=_sm90_signature(kernel, pointers, constexprs),
+                       constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=8 if name != "dq_pass" else 4))
+    assert compiled.asm["cubin"]
+
+
+@pytest.mark.parametrize("name", list(_SM90_CASES))
+def test_dropout_kernels_compile_for_sm90(name):
+    """The interpreter never lowers the mask's join/reshape/trans: compile each kernel with
+    dropout for capability 90 down to a cubin, in a process without the interpreter (as
+    tests/test_hopper_compile.py does for the Gluon kernels)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); import test_dropout; "
+            f"test_dropout._compile_sm90({name!r})")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert run.returncode == 0, run.stderr[-4000:]
