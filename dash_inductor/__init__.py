@@ -1,8 +1,9 @@
 """dash_inductor: fast, bitwise-reproducible attention for PyTorch training.
 
 ``attention`` is a deterministic drop-in for ``torch.nn.functional.scaled_dot_product_attention``
-(no dropout); the op is ``torch.ops.dash.attention``. ``varlen_attention`` is the same for packed
-sequences, with ``torch.nn.attention.varlen.varlen_attn``'s signature. Importing this package
+(dropout included, seeded from PyTorch's generator); the op is ``torch.ops.dash.attention``.
+``varlen_attention`` is the same for packed sequences (without dropout), with
+``torch.nn.attention.varlen.varlen_attn``'s signature. Importing this package
 registers the ops and installs the Inductor pass that rewrites SDPA into ``dash.attention`` under
 ``torch.use_deterministic_algorithms``.
 """

@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from . import config, signatures
+from .dropout import check_p, dropout_rng
 from .library import (_backward, _forward, _grads_to_inputs, attention_backward_op, attention_op,
-                      check_no_dropout, check_schedule_allowed, op_options, record)
+                      check_schedule_allowed, op_options, record)
 from .shapes import canonicalize, check_not_nested, check_sdpa_flags, unfilled
 from .window import NO_WINDOW, check_window
 
@@ -94,7 +95,10 @@ def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | Non
               enable_gqa: bool = False, window_size: tuple[int, int] = NO_WINDOW,
               schedule: str | None = None, kernel: str | None = None) -> Tensor:
     """Deterministic ``torch.nn.functional.scaled_dot_product_attention``: SDPA's signature, its
-    positional order and its keyword-only ``scale`` and ``enable_gqa``; ``dropout_p`` must be 0.0.
+    positional order and its keyword-only ``scale`` and ``enable_gqa``. ``dropout_p`` in [0, 1)
+    drops attention probabilities as SDPA does, whenever it is > 0, with a mask drawn from
+    PyTorch's default generator of the query's device (``dropout.py``): ``torch.manual_seed``
+    reproduces it.
 
     ``window_size=(left, right)``: a sliding window with FlashAttention's meaning, top-left
     aligned like ``is_causal`` (``window.py``); (-1, -1) is none. ``schedule`` and ``kernel``
@@ -103,10 +107,14 @@ def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | Non
     """
     check_not_nested(query, key, value)
     check_sdpa_flags(is_causal, scale, enable_gqa, "dash.attention")
-    check_no_dropout(dropout_p)
+    dropout_p = check_p(dropout_p)
     choices = config.choices(schedule=schedule, kernel=kernel)
     # Checked here too: the schema's own cast errors would not name the argument.
     window = check_window(window_size, "dash.attention")
+    if dropout_p:
+        return attention_op(query, key, value, attn_mask, dropout_p, is_causal,
+                            dropout_rng(query), scale=scale, enable_gqa=enable_gqa,
+                            **op_options(choices, window))[0]
     if _eager_cuda(query, key, value, attn_mask):
         flags = (is_causal, scale, enable_gqa, window)
         return _EagerAttention.apply(query, key, value, flags, tuple(choices.values()))

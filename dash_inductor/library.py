@@ -1,6 +1,7 @@
 """The ``dash::attention`` custom ops: schemas, fake kernels, autograd and per-device kernels.
 
-``dash::attention`` takes SDPA's arguments in SDPA's order, ``dropout_p`` included, and returns
+``dash::attention`` takes SDPA's arguments in SDPA's order, ``dropout_p`` included (with the
+``rng_state`` that ``dash::dropout_rng`` draws: ``dropout.py``), and returns
 (out, logsumexp) with SDPA's semantics (logsumexp in float32, float64 for float64 inputs so that
 float64 gradients stay exact); its backward is the separate op ``dash::attention_backward`` (and
 ``dash::attention_mask_grad`` for a float mask that requires grad), so that AOTAutograd and
@@ -31,8 +32,10 @@ import torch
 from torch import Tensor
 
 from . import config, reference
+from .dropout import check_p, check_state
 from dash_inductor.ops import catalog, dispatch
 from dash_inductor.ops.plan import Plan
+from dash_inductor.ops.shared.dropout import Dropout
 from . import signatures
 from .shapes import Canonical, canonicalize, empty_like_layout, unfilled
 from .signatures import uses_triton
@@ -67,14 +70,8 @@ def check_schedule_allowed(schedule: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
-def check_no_dropout(dropout_p: float, where: str = "dash.attention") -> None:
-    """``dropout_p`` must be 0.0: the kernels have no dropout; say where dropout can run."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise ValueError(f"{where}: dropout_p must be a float, got {dropout_p!r}")
-    if dropout_p != 0.0:
-        raise ValueError(f"{where}: dropout_p={dropout_p} is not supported (the kernels have no "
-                         f"dropout); use dropout_p=0.0, or torch.nn.functional."
-                         f"scaled_dot_product_attention for attention dropout")
+def _dropout(dropout_p: float, rng_state: Tensor | None) -> Dropout | None:
+    return Dropout(dropout_p, rng_state) if dropout_p else None
 
 
 def _allocate_forward(c: Canonical) -> tuple[Tensor, Tensor]:
@@ -91,7 +88,8 @@ def _allocate_grads(c: Canonical) -> tuple[Tensor, Tensor, Tensor]:
             empty_like_layout(c.v, tuple(c.v.shape)))
 
 
-def _forward(c: Canonical, cpu_backend: str, kernel_path: str) -> tuple[Tensor, Tensor]:
+def _forward(c: Canonical, cpu_backend: str, kernel_path: str,
+             dropout: Dropout | None = None) -> tuple[Tensor, Tensor]:
     """(out, logsumexp) of canonical inputs, in their 4-D form."""
     out, lse = _allocate_forward(c)
     if out.numel() == 0 or c.k.shape[2] == 0:
@@ -100,10 +98,11 @@ def _forward(c: Canonical, cpu_backend: str, kernel_path: str) -> tuple[Tensor, 
     elif uses_triton(c.q, cpu_backend):
         _PLANS.append(dispatch.attention_forward(c.q, c.k, c.v, c.mask, out, lse,
                                                  is_causal=c.is_causal, scale=c.scale,
-                                                 kernel=kernel_path, window=c.window))
+                                                 kernel=kernel_path, window=c.window,
+                                                 dropout=dropout))
     else:
         ref_out, ref_lse = reference.attention_forward(c.q, c.k, c.v, c.mask, c.is_causal, c.scale,
-                                                       c.window)
+                                                       c.window, dropout)
         out.copy_(ref_out)
         lse.copy_(ref_lse)
         _PLANS.append(_REFERENCE_FORWARD)
@@ -111,7 +110,8 @@ def _forward(c: Canonical, cpu_backend: str, kernel_path: str) -> tuple[Tensor, 
 
 
 def _backward(c: Canonical, do4: Tensor, out4: Tensor, lse4: Tensor, schedule: str,
-              max_spin: int, cpu_backend: str, kernel_path: str) -> tuple[Tensor, Tensor, Tensor]:
+              max_spin: int, cpu_backend: str, kernel_path: str,
+              dropout: Dropout | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of canonical inputs, in their 4-D form."""
     grads = _allocate_grads(c)
     if any(g.numel() == 0 for g in grads) or c.q.shape[2] == 0 or c.k.shape[2] == 0:
@@ -120,10 +120,12 @@ def _backward(c: Canonical, do4: Tensor, out4: Tensor, lse4: Tensor, schedule: s
     elif uses_triton(c.q, cpu_backend):
         _PLANS.append(dispatch.attention_backward(
             do4, c.q, c.k, c.v, out4, lse4, c.mask, *grads, is_causal=c.is_causal, scale=c.scale,
-            schedule=schedule, max_spin=max_spin, kernel=kernel_path, window=c.window))
+            schedule=schedule, max_spin=max_spin, kernel=kernel_path, window=c.window,
+            dropout=dropout))
     else:
         for g, r in zip(grads, reference.attention_backward(do4, c.q, c.k, c.v, out4, lse4, c.mask,
-                                                            c.is_causal, c.scale, c.window)):
+                                                            c.is_causal, c.scale, c.window,
+                                                            dropout)):
             g.copy_(r)
         _PLANS.append(Plan("backward", "reference", None, schedule, None, None, ()))
     return grads
@@ -145,8 +147,12 @@ OPTIONS_SCHEMA = ('int[2] window_size=[-1, -1], str schedule="auto", SymInt max_
                   'str cpu_backend="reference", str kernel_path="auto"')
 #: SDPA's schema (``aten::scaled_dot_product_attention``): ``scale`` and ``enable_gqa`` are
 #: keyword-only there too.
+#: Dropout's (seed, offset), drawn by ``dash::dropout_rng`` where dropout_p > 0: positional
+#: (a custom op takes no keyword-only tensor), after SDPA's positional arguments.
+_RNG_SCHEMA = "Tensor? rng_state=None"
 _SDPA_SCHEMA = ("Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float dropout_p=0.0, "
-                "bool is_causal=False, *, float? scale=None, bool enable_gqa=False")
+                f"bool is_causal=False, {_RNG_SCHEMA}, *, float? scale=None, "
+                "bool enable_gqa=False")
 
 
 def op_options(choices: dict[str, object], window: Sequence[int] = NO_WINDOW) -> dict[str, object]:
@@ -159,34 +165,34 @@ def op_options(choices: dict[str, object], window: Sequence[int] = NO_WINDOW) ->
 @torch.library.custom_op("dash::attention", mutates_args=(),
                          schema=f"({_SDPA_SCHEMA}, {OPTIONS_SCHEMA}) -> (Tensor, Tensor)")
 def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
-                 dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
-                 enable_gqa: bool = False, window_size: Sequence[int] = NO_WINDOW,
-                 schedule: str = "auto", max_spin: int = _MAX_SPIN,
-                 cpu_backend: str = "reference", kernel_path: str = "auto"
-                 ) -> tuple[Tensor, Tensor]:
+                 dropout_p: float = 0.0, is_causal: bool = False, rng_state: Tensor | None = None,
+                 *, scale: float | None = None, enable_gqa: bool = False,
+                 window_size: Sequence[int] = NO_WINDOW, schedule: str = "auto",
+                 max_spin: int = _MAX_SPIN, cpu_backend: str = "reference",
+                 kernel_path: str = "auto") -> tuple[Tensor, Tensor]:
     raise NotImplementedError(f"dash.attention has no kernel for device {q.device.type!r}; "
                               f"supported: cpu, cuda")
 
 
 def _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
-             choices) -> Canonical:
+             choices, rng_state=None) -> Canonical:
     config.check_choices(choices)
-    check_no_dropout(dropout_p)
+    check_state(check_p(dropout_p), rng_state, q.device)
     return canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
-                    enable_gqa=False, window_size=NO_WINDOW, schedule="auto",
+def _attention_fake(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, rng_state=None, *,
+                    scale=None, enable_gqa=False, window_size=NO_WINDOW, schedule="auto",
                     max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
     c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
-                 (schedule, max_spin, cpu_backend, kernel_path))
+                 (schedule, max_spin, cpu_backend, kernel_path), rng_state)
     out, lse = _allocate_forward(c)
     return c.squeeze(out), c.squeeze(lse)
 
 
-def _attention_kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
-                      enable_gqa=False, window_size=NO_WINDOW, schedule="auto",
+def _attention_kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, rng_state=None, *,
+                      scale=None, enable_gqa=False, window_size=NO_WINDOW, schedule="auto",
                       max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
     choices = (schedule, max_spin, cpu_backend, kernel_path)
     with unfilled():
@@ -196,26 +202,27 @@ def _attention_kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *
             signature = signatures.lookup(key)
             if signature is None:
                 c = _checked(q, k, v, None, dropout_p, is_causal, scale, enable_gqa,
-                             window_size, choices)
+                             window_size, choices, rng_state)
                 signature = signatures.remember(key, c, q, k, v, cpu_backend)
             if signature is not None:
                 out, lse, plan = signature.forward(q, k, v, kernel_path)
                 record(plan)
                 return out, lse
         c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
-                     choices)
-        out, lse = _forward(c, cpu_backend, kernel_path)
+                     choices, rng_state)
+        out, lse = _forward(c, cpu_backend, kernel_path, _dropout(dropout_p, rng_state))
     return c.squeeze(out), c.squeeze(lse)
 
 
 @torch.library.custom_op(
     "dash::attention_backward", mutates_args=(),
     schema=("(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor logsumexp, "
-            "Tensor? attn_mask, bool is_causal, float? scale, bool enable_gqa, *, "
-            f"{OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)"))
+            f"Tensor? attn_mask, bool is_causal, float? scale, bool enable_gqa, {_RNG_SCHEMA}, *, "
+            f"float dropout_p=0.0, {OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)"))
 def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                           logsumexp: Tensor, attn_mask: Tensor | None, is_causal: bool,
-                          scale: float | None, enable_gqa: bool, *,
+                          scale: float | None, enable_gqa: bool,
+                          rng_state: Tensor | None = None, *, dropout_p: float = 0.0,
                           window_size: Sequence[int] = NO_WINDOW, schedule: str = "auto",
                           max_spin: int = _MAX_SPIN, cpu_backend: str = "reference",
                           kernel_path: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
@@ -225,20 +232,22 @@ def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
-                             enable_gqa, *, window_size=NO_WINDOW, schedule="auto",
-                             max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
-    config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
-    c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
+                             enable_gqa, rng_state=None, *, dropout_p=0.0,
+                             window_size=NO_WINDOW, schedule="auto", max_spin=_MAX_SPIN,
+                             cpu_backend="reference", kernel_path="auto"):
+    c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+                 (schedule, max_spin, cpu_backend, kernel_path), rng_state)
     grads = _allocate_grads(c)
     return _grads_to_inputs(c, grads, q, k, v)
 
 
 def _attention_backward_kernel(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale,
-                               enable_gqa, *, window_size=NO_WINDOW, schedule="auto",
-                               max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
+                               enable_gqa, rng_state=None, *, dropout_p=0.0,
+                               window_size=NO_WINDOW, schedule="auto", max_spin=_MAX_SPIN,
+                               cpu_backend="reference", kernel_path="auto"):
     choices = (schedule, max_spin, cpu_backend, kernel_path)
     with unfilled():
-        if attn_mask is None:  # the forward's signature: validated at its first call
+        if attn_mask is None and dropout_p == 0.0:  # the forward's signature, validated then
             signature = signatures.lookup(signatures.key(
                 q, k, v, (is_causal, scale, enable_gqa, tuple(window_size)), choices))
             if signature is not None:
@@ -246,10 +255,11 @@ def _attention_backward_kernel(grad_out, q, k, v, out, logsumexp, attn_mask, is_
                                                  max_spin, kernel_path)
                 record(plan)
                 return grads
-        config.check_choices(choices)
-        c = canonicalize(q, k, v, attn_mask, is_causal, scale, enable_gqa, window_size)
+        c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+                     choices, rng_state)
         do4, out4, lse4 = (_as_canonical_out(c, t) for t in (grad_out, out, logsumexp))
-        grads = _backward(c, do4, out4, lse4, schedule, max_spin, cpu_backend, kernel_path)
+        grads = _backward(c, do4, out4, lse4, schedule, max_spin, cpu_backend, kernel_path,
+                          _dropout(dropout_p, rng_state))
     return _grads_to_inputs(c, grads, q, k, v)
 
 
@@ -265,51 +275,55 @@ for _device in ("CPU", "CUDA"):
 @torch.library.custom_op(
     "dash::attention_mask_grad", mutates_args=(),
     schema=("(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor logsumexp, "
-            "Tensor attn_mask, float? scale, bool enable_gqa, int[2] window_size=[-1, -1]) "
-            "-> Tensor"))
+            "Tensor attn_mask, float? scale, bool enable_gqa, int[2] window_size=[-1, -1], "
+            f"float dropout_p=0.0, {_RNG_SCHEMA}) -> Tensor"))
 def attention_mask_grad_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                            logsumexp: Tensor, attn_mask: Tensor, scale: float | None,
-                           enable_gqa: bool, window_size: Sequence[int] = NO_WINDOW) -> Tensor:
+                           enable_gqa: bool, window_size: Sequence[int] = NO_WINDOW,
+                           dropout_p: float = 0.0, rng_state: Tensor | None = None) -> Tensor:
     """Gradient of an additive float mask (a learned bias), summed over its broadcast dims.
 
     Runs the blocked reference on every device (deterministic; it materialises (B, H, L, S), which
     the mask itself already is).
     """
+    check_state(check_p(dropout_p), rng_state, q.device)
     c = canonicalize(q, k, v, attn_mask, False, scale, enable_gqa, window_size)
     do4, out4, lse4 = (_as_canonical_out(c, t) for t in (grad_out, out, logsumexp))
     grad = reference.attention_mask_grad(do4, c.q, c.k, c.v, out4, lse4, c.mask, c.is_causal,
-                                         c.scale, c.window)
+                                         c.scale, c.window, _dropout(dropout_p, rng_state))
     return c.reduce_grad(grad, attn_mask).to(attn_mask.dtype)
 
 
 @attention_mask_grad_op.register_fake
 def _attention_mask_grad_fake(grad_out, q, k, v, out, logsumexp, attn_mask, scale, enable_gqa,
-                              window_size=NO_WINDOW):
+                              window_size=NO_WINDOW, dropout_p=0.0, rng_state=None):
     canonicalize(q, k, v, attn_mask, False, scale, enable_gqa, window_size)
     return torch.empty(attn_mask.shape, dtype=attn_mask.dtype, device=attn_mask.device)
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
-    q, k, v, attn_mask, _dropout_p, is_causal = inputs
+    q, k, v, attn_mask, dropout_p, is_causal, rng_state = inputs
     options = dict(keyword_only_inputs)
     check_schedule_allowed(options["schedule"])
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    # The dropout mask is recomputed from the saved (seed, offset), never stored.
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state)
     ctx.is_causal, ctx.scale, ctx.enable_gqa = is_causal, options.pop("scale"), options.pop(
         "enable_gqa")
-    ctx.options = options
+    ctx.options, ctx.dropout_p = options, dropout_p
 
 
 def _op_backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, rng_state = ctx.saved_tensors
+    dropout = dict(dropout_p=ctx.dropout_p, rng_state=rng_state)
     dq, dk, dv = attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, ctx.is_causal,
-                                       ctx.scale, ctx.enable_gqa, **ctx.options)
+                                       ctx.scale, ctx.enable_gqa, **ctx.options, **dropout)
     dmask = None
     if attn_mask is not None and ctx.needs_input_grad[3]:
         dmask = attention_mask_grad_op(grad_out, q, k, v, out, lse, attn_mask, ctx.scale,
-                                       ctx.enable_gqa, ctx.options["window_size"])
-    return dq, dk, dv, dmask, None, None
+                                       ctx.enable_gqa, ctx.options["window_size"], **dropout)
+    return dq, dk, dv, dmask, None, None, None
 
 
 attention_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -338,8 +352,10 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0
                        is_causal: bool = False, scale: float | None = None,
                        enable_gqa: bool = False) -> str | None:
     """Why ``dash::attention`` cannot take this SDPA call (None when it can). Works on fake tensors."""
-    if dropout_p:
-        return f"dropout_p={dropout_p} > 0: dash.attention has no dropout"
+    try:
+        check_p(dropout_p)
+    except ValueError as error:
+        return str(error)
     if not all(isinstance(t, Tensor) for t in (query, key, value)):
         return "query, key and value must be tensors"
     if query.device.type not in ("cpu", "cuda"):

@@ -9,6 +9,9 @@ All functions take the canonical 4-D form that ``library.py`` produces: q (B, Hq
 k (B, Hkv, S, E), v (B, Hkv, S, Ev) with Hq a multiple of Hkv, and ``mask`` None or a bool
 (True = attend) / additive float tensor broadcastable to (B, Hq, L, S). ``window`` is a
 (left, right) sliding window (``dash_inductor/window.py``), top-left aligned like ``is_causal``.
+``dropout`` is None or a ``Dropout(p, rng)``: probabilities are dropped after the softmax with the
+kernels' mask (``dropout.py``) and kept ones scaled by 1 / (1 - p), as SDPA; the logsumexp is the
+undropped one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import math
 import torch
 from torch import Tensor
 
+from dash_inductor.ops.shared.dropout import Dropout
+
+from .dropout import keep_mask
 from .window import NO_WINDOW, Window, keep
 
 #: KV block size of the online softmax. Any value gives the same function up to rounding; a fixed
@@ -67,8 +73,16 @@ def _expand_mask(mask: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
     return None if mask is None else mask.expand(shape)
 
 
+def _kept(dropout: Dropout | None, shape: tuple[int, ...], start: int) -> Tensor | None:
+    """The keep mask of keys [start, start + BLOCK), or None without dropout."""
+    if dropout is None:
+        return None
+    return keep_mask(dropout.rng, dropout.p, shape, slice(start, start + BLOCK))
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
-                      scale: float, window: Window = NO_WINDOW) -> tuple[Tensor, Tensor]:
+                      scale: float, window: Window = NO_WINDOW,
+                      dropout: Dropout | None = None) -> tuple[Tensor, Tensor]:
     """Returns ``out`` (B, Hq, L, Ev) in q's dtype and ``lse`` (B, Hq, L) in the accumulation dtype.
 
     Rows that see no key get ``lse = -inf`` and ``out = 0 @ v``: zero, or NaN where ``v`` holds a
@@ -92,11 +106,16 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
         p = torch.exp(s - shift)
         correction = torch.exp(row_max - shift)
         row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
+        kept = _kept(dropout, (b, h, l, k.shape[-2]), start)
+        if kept is not None:
+            p = p * kept
         out = out * correction + torch.matmul(p, va[:, :, start:start + BLOCK])
         row_max = new_max
     # Only a row that saw no key has row_sum == 0 (NaN is not 0: NaN rows stay NaN); its
     # row_max + log(row_sum) is -inf.
     out = out / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
+    if dropout is not None:
+        out = out * (1.0 / (1.0 - dropout.p))
     lse = (row_max + torch.log(row_sum)).squeeze(-1)
     return out.to(q.dtype), lse
 
@@ -110,7 +129,7 @@ def _probabilities(s: Tensor, lse: Tensor) -> Tensor:
 
 def _blocked_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                       mask: Tensor | None, is_causal: bool, scale: float, want_mask_grad: bool,
-                      window: Window):
+                      window: Window, dropout: Dropout | None):
     """Per-query-head (dq, dk, dv, dmask), KV blocks in ascending order, in the accumulation dtype."""
     acc = accumulation_dtype(q.dtype)
     b, h, l, _ = q.shape
@@ -128,8 +147,15 @@ def _blocked_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         kb, vb = ka[:, :, start:start + BLOCK], va[:, :, start:start + BLOCK]
         p = _probabilities(_scores(qa, kb, mask, is_causal, scale, start, window), lse)
         dp = torch.matmul(doa, vb.transpose(-1, -2))
+        kept = _kept(dropout, (b, h, l, s_len), start)
+        if kept is not None:  # dV sees the dropped, scaled P; dP is dropped and scaled alike
+            drop_scale = 1.0 / (1.0 - dropout.p)
+            dp = dp * kept * drop_scale
+            dv[:, :, start:start + BLOCK] = torch.matmul((p * kept * drop_scale).transpose(-1, -2),
+                                                         doa)
+        else:
+            dv[:, :, start:start + BLOCK] = torch.matmul(p.transpose(-1, -2), doa)
         ds = p * (dp - delta)
-        dv[:, :, start:start + BLOCK] = torch.matmul(p.transpose(-1, -2), doa)
         dk[:, :, start:start + BLOCK] = torch.matmul(ds.transpose(-1, -2), qa) * scale
         dq += torch.matmul(ds, kb) * scale
         if dmask is not None:
@@ -145,10 +171,11 @@ def _sum_query_heads(t: Tensor, n_kv_heads: int) -> Tensor:
 
 def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        mask: Tensor | None, is_causal: bool, scale: float,
-                       window: Window = NO_WINDOW) -> tuple[Tensor, Tensor, Tensor]:
+                       window: Window = NO_WINDOW,
+                       dropout: Dropout | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) in the dtypes of q, k, v."""
     dq, dk, dv, _ = _blocked_backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, False,
-                                      window)
+                                      window, dropout)
     h_kv = k.shape[1]
     return (dq.to(q.dtype), _sum_query_heads(dk, h_kv).to(k.dtype),
             _sum_query_heads(dv, h_kv).to(v.dtype))
@@ -156,6 +183,7 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
 
 def attention_mask_grad(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         mask: Tensor, is_causal: bool, scale: float,
-                        window: Window = NO_WINDOW) -> Tensor:
+                        window: Window = NO_WINDOW, dropout: Dropout | None = None) -> Tensor:
     """Gradient of an additive float mask, (B, Hq, L, S) in float32/float64 (before broadcast sums)."""
-    return _blocked_backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, True, window)[3]
+    return _blocked_backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, True, window,
+                             dropout)[3]

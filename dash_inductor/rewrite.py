@@ -66,9 +66,6 @@ def _sdpa_reason(bound: dict[str, Any]) -> str | None:
     for name in _CONSTANT_PARAMS:
         if isinstance(bound[name], torch.fx.Node):
             return f"{name} is not a constant at compile time"
-    if bound["dropout_p"] != 0.0:
-        return (f"dropout_p={bound['dropout_p']}: dash.attention has no dropout (SDPA applies it "
-                f"whenever dropout_p > 0, in training and in eval)")
     for name in ("query", "key", "value", "attn_mask"):
         if name == "attn_mask" and bound[name] is None:
             continue
@@ -80,9 +77,12 @@ def _sdpa_reason(bound: dict[str, Any]) -> str | None:
     return unsupported_reason(**{name: example_value(bound[name]) for name in SDPA_PARAMS})
 
 
-def _op_args(bound: dict[str, Any]) -> tuple[Any, ...]:
-    """The rewritten call's positional arguments: SDPA's, in SDPA's order."""
-    return bound["query"], bound["key"], bound["value"], bound["attn_mask"], 0.0, bound["is_causal"]
+def _op_args(bound: dict[str, Any], rng: Any = None) -> tuple[Any, ...]:
+    """The rewritten call's positional arguments: SDPA's, in SDPA's order, then dropout's
+    (seed, offset) where dropout_p > 0."""
+    args = (bound["query"], bound["key"], bound["value"], bound["attn_mask"], bound["dropout_p"],
+            bound["is_causal"])
+    return args if rng is None else (*args, rng)
 
 
 def _op_kwargs(bound: dict[str, Any], choices: dict[str, Any]) -> dict[str, Any]:
@@ -90,12 +90,14 @@ def _op_kwargs(bound: dict[str, Any], choices: dict[str, Any]) -> dict[str, Any]
     return dict(scale=bound["scale"], enable_gqa=bound["enable_gqa"], **op_options(choices))
 
 
-def _fake_outputs(bound: dict[str, Any], choices: dict[str, Any]) -> Any:
-    """Run the op on the example values (fake mode), to give the new nodes their metadata."""
+def _fake_outputs(bound: dict[str, Any], choices: dict[str, Any]) -> tuple[Any, Any]:
+    """Run the ops on the example values (fake mode), to give the new nodes their metadata:
+    (dropout's state or None, the op's outputs)."""
     examples = [example_value(arg) for arg in _op_args(bound)]
     fake_mode = getattr(examples[0], "fake_mode", None)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        return torch.ops.dash.attention.default(*examples, **_op_kwargs(bound, choices))
+        rng = torch.ops.dash.dropout_rng.default(examples[0]) if bound["dropout_p"] else None
+        return rng, torch.ops.dash.attention.default(*examples, rng, **_op_kwargs(bound, choices))
 
 
 _pre_grad_patterns = PatternMatcherPass(pass_name="dash_inductor_sdpa")
@@ -125,11 +127,17 @@ def _rewrite_sdpa_call(match: Match, *args: Any, **kwargs: Any) -> None:
         node.meta.setdefault("custom", {})[DECIDED] = reason
         return
     graph = node.graph
+    fake_rng, fake = fake
     with graph.inserting_before(node):
+        rng = None  # dropout's (seed, offset): drawn per call, in program order
+        if fake_rng is not None:
+            rng = graph.call_function(torch.ops.dash.dropout_rng.default, (bound["query"],))
         call = graph.call_function(
-            torch.ops.dash.attention.default, _op_args(bound), _op_kwargs(bound, choices))
+            torch.ops.dash.attention.default, _op_args(bound, rng), _op_kwargs(bound, choices))
         out = graph.call_function(operator.getitem, (call, 0))
-    for new, value in ((call, fake), (out, fake[0])):
+    for new, value in ((rng, fake_rng), (call, fake), (out, fake[0])):
+        if new is None:
+            continue
         new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
         new.meta["example_value"] = value
     node.replace_all_uses_with(out)

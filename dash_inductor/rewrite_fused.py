@@ -74,7 +74,8 @@ def _call(graph: torch.fx.Graph, target: Any, args: tuple[Any, ...], val: Any,
 
 def _joint_reason(bound: dict[str, Any], backwards: list[torch.fx.Node]) -> str | None:
     if isinstance(bound["dropout_p"], torch.fx.Node) or bound["dropout_p"] != 0.0:
-        return f"dropout_p={bound['dropout_p']}: dash.attention has no dropout"
+        return (f"dropout_p={bound['dropout_p']} in a fused call: left to SDPA (its forward "
+                f"and backward share SDPA's RNG state)")
     for backward in backwards:
         mask_grad = _output(backward, 3)
         if mask_grad is not None and mask_grad.users:

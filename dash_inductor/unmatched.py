@@ -45,8 +45,10 @@ def mha_reason(node: torch.fx.Node) -> str | None:
                 "with bmm and softmax and calls no SDPA; pass need_weights=False to get dash")
     dropout, training = args["dropout_p"], args["training"]
     if training is True and isinstance(dropout, (int, float)) and dropout > 0:
-        return (f"dropout_p={dropout} in training: dash.attention has no dropout "
-                f"(nn.MultiheadAttention drops no weights in eval mode)")
+        return (f"dropout_p={dropout} in training: this SDPA call is inside "
+                f"F.multi_head_attention_forward, which only the joint-graph pass sees, and that "
+                f"pass leaves dropout to SDPA (its fused forward and backward share SDPA's RNG "
+                f"state); eval mode drops nothing and is rewritten")
     return None
 
 

@@ -30,6 +30,7 @@ from .plan import Plan
 from .portable import backward, forward, packed
 from .portable.configs import backward_config, forward_config
 from .shared.device import arch_key
+from .shared.dropout import Dropout
 from .shared.launch import Launches, interpreting
 
 PORTABLE, HOPPER, NO_WINDOW = rules.PORTABLE, rules.HOPPER, rules.NO_WINDOW
@@ -84,6 +85,11 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
     return t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0
 
 
+def _state_layout(dropout: Dropout | None) -> tuple | None:
+    """Dropout's part of a signature: its state's layout (a pointer Triton specialises on)."""
+    return None if dropout is None else _layout(dropout.rng)
+
+
 def _device_key(q: torch.Tensor) -> tuple:
     """The device, and what picks kernel variants beside the tensors: TF32 for float32 dots, and
     whether Triton interprets (tests switch it per process)."""
@@ -113,22 +119,24 @@ def _hopper():
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, *,
                       is_causal: bool, scale: float, kernel: str = AUTO,
-                      window: tuple[int, int] = NO_WINDOW, config=None) -> Plan:
+                      window: tuple[int, int] = NO_WINDOW, dropout: Dropout | None = None,
+                      config=None) -> Plan:
     """Write softmax(q k^T * scale + mask) v into ``out`` and its natural-log logsumexp into the
     contiguous fp32 (B, Hq, L) ``lse``; return the plan that ran. ``window`` = (left, right):
-    query i sees keys i - left..i + right (-1: that side open), top-left aligned. ``config``
-    overrides the tile table (tests and tuning only)."""
+    query i sees keys i - left..i + right (-1: that side open), top-left aligned. ``dropout``
+    drops probabilities after the softmax (``shared/dropout.py``). ``config`` overrides the tile
+    table (tests and tuning only)."""
     window = tuple(window)
     key = ("forward", *_device_key(q), _layout(q), _layout(k), _layout(v), _layout(mask),
-           _layout(out), is_causal, window, kernel, config)
+           _layout(out), is_causal, window, kernel, _state_layout(dropout), config)
     plan = _cached(key, lambda: _plan_forward(q, k, v, mask, out, is_causal, window, kernel,
-                                              config))
-    plan.run(plan, q, k, v, mask, out, lse, scale)
+                                              dropout is not None, config))
+    plan.run(plan, q, k, v, mask, out, lse, scale, dropout)
     return plan
 
 
-def _plan_forward(q, k, v, mask, out, is_causal, window, kernel, config) -> Plan:
-    path, reason = rules.forward_path(kernel, q, k, v, mask, window)
+def _plan_forward(q, k, v, mask, out, is_causal, window, kernel, dropout, config) -> Plan:
+    path, reason = rules.forward_path(kernel, q, k, v, mask, window, dropout)
     batch, hq, seq_q, e = q.shape
     if path == HOPPER:
         launcher = _hopper()[0]
@@ -141,7 +149,7 @@ def _plan_forward(q, k, v, mask, out, is_causal, window, kernel, config) -> Plan
                     launcher.run_forward, spec, Launches())
     cfg = config or forward_config(max(e, v.shape[3]), q.dtype, is_causal, arch_key(q.device))
     spec = dict(window=window, constexprs=forward.constexprs(
-        q, k, v, mask, cfg, is_causal=is_causal, window=window, packed=False))
+        q, k, v, mask, cfg, is_causal=is_causal, window=window, packed=False, dropout=dropout))
     grid = (triton.cdiv(seq_q, cfg.block_m), batch * hq)
     return Plan("forward", PORTABLE, reason, None, None, None, grid, cfg, forward.run_forward,
                 spec, Launches())
@@ -152,22 +160,24 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        mask: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
                        dv: torch.Tensor, *, is_causal: bool, scale: float, schedule: str = AUTO,
                        max_spin: int = 1 << 26, kernel: str = AUTO,
-                       window: tuple[int, int] = NO_WINDOW, config=None) -> Plan:
+                       window: tuple[int, int] = NO_WINDOW, dropout: Dropout | None = None,
+                       config=None) -> Plan:
     """Write the gradients of attention into ``dq``, ``dk``, ``dv``; return the plan that ran.
-    ``lse`` is the forward's contiguous fp32 (B, Hq, L) logsumexp."""
+    ``lse`` is the forward's contiguous fp32 (B, Hq, L) logsumexp; ``dropout`` the forward's."""
     window = tuple(window)
     key = ("backward", *_device_key(q), _layout(grad_out), _layout(q), _layout(k), _layout(v),
            _layout(out), _layout(mask), _layout(dq), _layout(dk), _layout(dv), is_causal, window,
-           schedule, max_spin, kernel, config)
+           schedule, max_spin, kernel, _state_layout(dropout), config)
     plan = _cached(key, lambda: _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal,
-                                               window, schedule, max_spin, kernel, config))
-    plan.run(plan, grad_out, q, k, v, out, lse, mask, dq, dk, dv, scale, max_spin)
+                                               window, schedule, max_spin, kernel,
+                                               dropout is not None, config))
+    plan.run(plan, grad_out, q, k, v, out, lse, mask, dq, dk, dv, scale, max_spin, dropout)
     return plan
 
 
 def _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal, window, schedule, max_spin,
-                   kernel, config) -> Plan:
-    path, reason = rules.backward_path(kernel, schedule, q, k, v, mask, window)
+                   kernel, dropout, config) -> Plan:
+    path, reason = rules.backward_path(kernel, schedule, q, k, v, mask, window, dropout)
     batch, hq, seq_q, e = q.shape
     seq_k, ev = k.shape[2], v.shape[3]
     requested = rules.requested_schedule(schedule, path, is_causal, False, max(e, ev), window)
@@ -201,7 +211,7 @@ def _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal, window, sche
     views = (q, k, v, grad_out, lse, mask, dk, dv)
     fitted, fallback, grid, spec = _portable_main(views, None, cfg, requested, is_causal, window,
                                                   max_spin, (seq_q, seq_k, n_q, n_kv), batch,
-                                                  shape)
+                                                  shape, dropout)
     spec.update(zero_tail=is_causal and seq_k > n_q * cfg.block_n)
     return Plan("backward", PORTABLE, reason, schedule, fitted, fallback, grid, cfg,
                 backward.run_backward, spec, Launches())
@@ -209,7 +219,8 @@ def _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal, window, sche
 
 def _portable_main(views: tuple, packed_args: tuple | None, cfg, requested: Schedule,
                    is_causal: bool, window: tuple[int, int], max_spin: int,
-                   sizes: tuple[int, int, int, int], entries: int, shape: str) -> tuple:
+                   sizes: tuple[int, int, int, int], entries: int, shape: str,
+                   dropout: bool = False) -> tuple:
     """(schedule that runs, why not the one asked, grid, launcher spec) of the portable main
     kernel: the grid holds only co-resident programs, which the compiled kernel's registers and
     shared memory decide."""
@@ -220,7 +231,7 @@ def _portable_main(views: tuple, packed_args: tuple | None, cfg, requested: Sche
     def main(schedule: Schedule) -> tuple[dict, tuple[int, ...]]:
         per_head = schedule.items_per_head(max(n_kv, 1), is_causal)
         constexprs = backward.main_constexprs(q, k, v, mask, cfg, schedule, is_causal=is_causal,
-                                              window=window, packed=is_packed)
+                                              window=window, packed=is_packed, dropout=dropout)
         return constexprs, (*sizes, per_head, entries * k.shape[1] * per_head)
 
     def capacity(schedule: Schedule) -> int:

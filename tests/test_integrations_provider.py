@@ -9,6 +9,7 @@ passing and the fallback to PyTorch's kernel below the override are exercised as
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -147,6 +148,27 @@ def test_dispatcher_and_autograd_reach_the_kernels_and_repeat_bitwise(on_cpu):
     assert routes.dash_calls("provider.backward") == 2
 
 
+def test_dropout_runs_dash_and_its_state_reaches_the_backward(on_cpu):
+    """The forward's (seed, offset) travels in philox_seed; the backward recomputes its mask."""
+    q, k, v = _qkv(4, transposed=False)
+    grad_out = torch.randn(2, 4, 9, 8, dtype=torch.float64)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = torch.ops.aten._scaled_dot_product_flash_attention(*leaves, 0.3, scale=0.3)[0]
+        out.backward(grad_out)
+        runs.append((out.detach(), *(leaf.grad for leaf in leaves)))
+    torch.manual_seed(1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    direct = dash_inductor.attention(*leaves, dropout_p=0.3, scale=0.3)
+    direct.backward(grad_out)
+    for ours, again, want in zip(*runs, (direct.detach(), *(leaf.grad for leaf in leaves))):
+        assert torch.equal(ours, again) and torch.equal(ours, want)
+    assert routes.dash_calls("provider.forward") == 2
+    assert routes.dash_calls("provider.backward") == 2
+
+
 class _Recorder:
     """Stands in for PyTorch's kernel below the override (a CPU build has no flash kernel)."""
 
@@ -169,13 +191,15 @@ def test_what_dash_cannot_take_runs_pytorchs_kernel_below_the_override(on_cpu, m
     monkeypatch.setitem(kernel_support._ORIGINALS, (provider.SDPA_FORWARD, "CPU"),
                         (pytorch, keyset))
     with caplog.at_level(logging.INFO, logger="dash_inductor"):
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.25, True)[0]
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.25, True,
+                                                                  scale=math.inf)[0]
     assert len(pytorch.calls) == 1  # once: the fallback did not come back to the override
     called_keyset, args, kwargs = pytorch.calls[0]
-    assert called_keyset == keyset and args[3:] == (0.25, True, False) and kwargs == {"scale": None}
+    assert called_keyset == keyset and args[3:] == (0.25, True, False)
+    assert kwargs == {"scale": math.inf}
     assert all(a is b for a, b in zip(args[:3], (q, k, v)))
     assert torch.equal(out, canned[0])
-    reason = "dropout_p=0.25 > 0: dash.attention has no dropout"
+    reason = "dash.attention: scale must be a finite float or None (1/sqrt(E)), got inf"
     assert routes.fallbacks("provider.forward") == {reason: 1}
     assert routes.dash_calls("provider.forward") == 0
     assert f"provider.forward fell back to PyTorch's attention: {reason}" in caplog.text

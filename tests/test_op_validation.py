@@ -85,7 +85,8 @@ def test_error_also_at_trace_time():
 def test_unsupported_reason_explains_instead_of_raising():
     q, k, v = _qkv()
     assert dash_inductor.unsupported_reason(q, k, v) is None
-    assert "dropout" in dash_inductor.unsupported_reason(q, k, v, dropout_p=0.1)
+    assert dash_inductor.unsupported_reason(q, k, v, dropout_p=0.1) is None
+    assert "dropout_p must be in [0, 1)" in dash_inductor.unsupported_reason(q, k, v, dropout_p=1.0)
     assert "batch size" in dash_inductor.unsupported_reason(*_qkv(k=(3, 3, 7, 8)))
 
 
@@ -202,7 +203,8 @@ def test_sdpa_positional_and_keyword_calls_give_sdpas_results():
     (dict(is_causal=0.0), "is_causal must be a bool"), (dict(is_causal=1.5), "is_causal must be"),
     (dict(is_causal=None), "is_causal must be a bool"), (dict(enable_gqa=1), "enable_gqa must be"),
     (dict(scale="0.1"), "scale must be a float or None"), (dict(scale=True), "scale must be"),
-    (dict(dropout_p=0.1), "dropout_p=0.1 is not supported"),
+    (dict(dropout_p=1.0), r"dropout_p must be in \[0, 1\)"),
+    (dict(dropout_p=-0.1), r"dropout_p must be in \[0, 1\)"),
     (dict(dropout_p="0"), "dropout_p must be a float")])
 def test_bad_sdpa_flags_raise_naming_the_argument(kwargs, match):
     q, k, v = _qkv()
@@ -210,12 +212,15 @@ def test_bad_sdpa_flags_raise_naming_the_argument(kwargs, match):
         dash_inductor.attention(q, k, v, **kwargs)
 
 
-def test_the_op_refuses_dropout_passed_where_sdpa_has_it():
-    """The op's schema keeps SDPA's order, dropout_p included, and takes the choices by keyword
-    only: an SDPA-ordered positional call cannot shift into is_causal or scale."""
+def test_the_op_takes_dropout_where_sdpa_has_it():
+    """The op's schema keeps SDPA's order, dropout_p included, then dropout's RNG state, and
+    takes the choices by keyword only: an SDPA-ordered positional call cannot shift into
+    is_causal or scale. Called directly with dropout, the op wants the state drawn for it."""
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"dropout_p=0.5 is not supported"):
+    with pytest.raises(ValueError, match=r"dropout_p=0.5 needs rng_state"):
         torch.ops.dash.attention(q, k, v, None, 0.5, True)
+    with pytest.raises(ValueError, match=r"rng_state must be an int64 tensor of shape \(2,\)"):
+        torch.ops.dash.attention(q, k, v, None, 0.5, True, torch.zeros(3, dtype=torch.int64))
     with pytest.raises((RuntimeError, TypeError)):  # scale is keyword-only, as in SDPA
         torch.ops.dash.attention(q, k, v, None, 0.0, True, 0.5)
     with pytest.raises(TypeError):

@@ -180,23 +180,24 @@ def test_call_forms_all_rewritten() -> None:
     assert len(reports) == 6 and all(r.rewritten and r.reason is None for r in reports)
 
 
-def _attention_with_dropout(q, k, v):
-    return (F.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+def _attention_with_a_5d_call(q, k, v):
+    """Two SDPA calls, one the op cannot take (SDPA takes extra batch dims, dash does not)."""
+    return (F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
             + F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
-def test_explain_reports_dropout_site_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_explain_reports_a_skipped_site_once(caplog: pytest.LogCaptureFixture) -> None:
     torch.use_deterministic_algorithms(True)
     q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
     with caplog.at_level(logging.INFO, logger="dash_inductor"):
-        first = rewrite.explain(_attention_with_dropout, q, k, v)
-        second = rewrite.explain(_attention_with_dropout, q, k, v)
+        first = rewrite.explain(_attention_with_a_5d_call, q, k, v)
+        second = rewrite.explain(_attention_with_a_5d_call, q, k, v)
     assert first == second
     skipped = [r for r in first if not r.rewritten]
     assert [r.rewritten for r in first].count(True) == 1 and len(skipped) == 1
-    assert "dropout_p=0.25" in skipped[0].reason and skipped[0].graph == "pre-grad"
+    assert "got 5-D" in skipped[0].reason and skipped[0].graph == "pre-grad"
     assert "test_rewrite.py" in skipped[0].site
-    logged = [rec.getMessage() for rec in caplog.records if "dropout_p=0.25" in rec.getMessage()]
+    logged = [rec.getMessage() for rec in caplog.records if "got 5-D" in rec.getMessage()]
     assert len(logged) == 1
 
 
@@ -322,7 +323,8 @@ def test_user_pre_grad_pass_chained_and_restored() -> None:
     with torch._inductor.config.patch(pre_grad_custom_pass=user_pass):
         rewrite.install()
         assert torch._inductor.config.pre_grad_custom_pass is rewrite.PRE_GRAD_PASS
-        _, code = run_and_get_code(torch.compile(_attention_with_dropout), *torch.randn(3, 1, 2, 8, 8))
+        _, code = run_and_get_code(torch.compile(_attention_with_a_5d_call),
+                                   *torch.randn(3, 1, 2, 8, 8))
         assert user_pass.seen == [2]  # the user's pass runs first and sees both SDPA calls
         assert "\n".join(code).count(f"{OP}(") == 1
         rewrite.uninstall()

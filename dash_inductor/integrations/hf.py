@@ -107,8 +107,8 @@ def dash_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    out = attention(query, key, value, attn_mask=mask, is_causal=mask_causal, scale=scaling,
-                    enable_gqa=key.shape[1] != query.shape[1])
+    out = attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=mask_causal,
+                    scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 

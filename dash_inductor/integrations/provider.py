@@ -6,8 +6,9 @@ puts ours in place of PyTorch's for CUDA tensors, eager and compiled alike. Impo
 dash_inductor registers the provider and never activates it (PyTorch leaves that to the user).
 
 Overridden: ``aten::_scaled_dot_product_flash_attention`` and its backward (SDPA's flash backend),
-and ``varlen_attn``'s ops (``provider_varlen``). A call dash's op cannot take (dropout, a head dim
-it lacks, the debug mask) runs PyTorch's kernel of the same op, taken before overriding it
+and ``varlen_attn``'s ops (``provider_varlen``). Dropout runs dash's: its (seed, offset) travels in
+the op's ``philox_seed`` output to the backward. A call dash's op cannot take (a head dim it
+lacks, the debug mask) runs PyTorch's kernel of the same op, taken before overriding it
 (``kernel_support``), with the reason counted and logged. The backward's schedule and kernel path
 are ``dash_inductor.config``'s at the call; a non-deterministic schedule is refused under
 deterministic algorithms.
@@ -93,14 +94,22 @@ def sdpa_flash_forward(query: Tensor, key: Tensor, value: Tensor, dropout_p: flo
     """``aten::_scaled_dot_product_flash_attention`` on (B, H, L, E) tensors."""
     reason = forward_reason(query, key, value, dropout_p, is_causal, return_debug_mask, scale)
     routes.record("provider.forward", reason)
+    if return_debug_mask and dropout_p and unsupported_reason(
+            query, key, value, None, dropout_p, is_causal, scale, _gqa(query, key)) is None:
+        raise ValueError("dash (the active flash-attention provider): return_debug_mask=True with "
+                         "dropout_p > 0 would run PyTorch's forward with its own dropout mask, "
+                         "which dash's backward cannot recompute; restore PyTorch's provider for "
+                         "this call")
     if reason is not None:
         return kernel_support.call_original(
             SDPA_FORWARD, query.device, (query, key, value, dropout_p, is_causal,
                                          return_debug_mask), {"scale": scale})
-    out, lse = torch.ops.dash.attention(query, key, value, None, 0.0, is_causal, scale=scale,
-                                        enable_gqa=_gqa(query, key),
+    rng = torch.ops.dash.dropout_rng(query) if dropout_p else None
+    out, lse = torch.ops.dash.attention(query, key, value, None, dropout_p, is_causal, rng,
+                                        scale=scale, enable_gqa=_gqa(query, key),
                                         **kernel_support.options(query))
-    seed = torch.zeros((2,), dtype=torch.uint64, device=query.device)
+    seed = (torch.zeros((2,), dtype=torch.uint64, device=query.device) if rng is None
+            else rng.view(torch.uint64))
     offset = torch.zeros((), dtype=torch.uint64, device=query.device)
     debug = torch.empty(0, dtype=query.dtype, device=query.device)
     max_q, max_k = query.shape[2], key.shape[2]
@@ -120,9 +129,10 @@ def sdpa_flash_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Ten
             SDPA_BACKWARD, query.device,
             (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
              dropout_p, is_causal, philox_seed, philox_offset), {"scale": scale})
+    rng = philox_seed.view(torch.int64) if dropout_p else None  # the forward's dash state
     dq, dk, dv = torch.ops.dash.attention_backward(
-        grad_out, query, key, value, out, logsumexp, None, is_causal, scale, _gqa(query, key),
-        **kernel_support.options(query))
+        grad_out, query, key, value, out, logsumexp, None, is_causal, scale, _gqa(query, key), rng,
+        dropout_p=dropout_p, **kernel_support.options(query))
     return (kernel_support.like(dq, query), kernel_support.like(dk, key),
             kernel_support.like(dv, value))
 

@@ -89,7 +89,8 @@ def _readable(tensors: tuple[torch.Tensor, ...], copies: tuple[bool, ...]) -> tu
 
 
 def run_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: None, out: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+                mask: None, out: torch.Tensor, lse: torch.Tensor, scale: float,
+                dropout: None = None) -> None:
     """Write ``out`` and the contiguous fp32 (B, Hq, L) ``lse`` with the Hopper forward; the
     portable launcher's arguments, whose ``mask`` is None here (``support.unsupported_reason``)."""
     spec, cfg = plan.spec, plan.config
@@ -145,7 +146,7 @@ def _launch(plan: Plan, views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor 
 def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, mask: None,
                  dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float,
-                 max_spin: int) -> None:
+                 max_spin: int, dropout: None = None) -> None:
     """Write dq, dk, dv with the Hopper kernel (the portable launcher's arguments; ``mask`` is
     None here). One CTA per SM (its shared memory takes the SM), so a grid of at most the SM
     count is co-resident and the ordered waits cannot hang."""

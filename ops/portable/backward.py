@@ -14,6 +14,10 @@ A sliding window (``window``, WINDOW) limits every KV tile to the contiguous ran
 meets, and every Q tile to its KV tiles (``schedules.window_*``): tiles outside are never loaded;
 ``shift`` has no windowed ranks and falls back to the ordered schedule that runs on any grid.
 
+With DROPOUT every (KV tile, Q sub-tile) step recomputes the forward's keep mask
+(``shared/dropout.py``): dV takes the dropped P, dP is dropped, and both are scaled by
+``1 / (1 - p)``; ``delta = rowsum(dO * O)`` of the dropped output is still sum_j P dP.
+
 With VARLEN the batch is virtual (``ops/portable/packed.py``): a work item of sequence ``seq`` reads its
 bounds from the packed offsets, counts its tiles and items as the sequence alone would (so the
 schedule's walks and ranks are that sequence's), and does nothing past them. Causal and window are
@@ -33,6 +37,7 @@ from ..shared import schedules as sch
 from ..shared.device import head_dim_bucket
 from ..shared.dq_convert import convert_dq
 from ..shared.dq_pass import launch_dq_pass, load_row_stats
+from ..shared.dropout import Dropout, kernel_args, keep_t, load_state
 from ..shared.launch import (coresident_programs, cooperative_launch_supported, dot_precision,
                              interpreting, mask_kind, watch_spin_flag)
 from ..shared.preprocess import prepare
@@ -56,9 +61,9 @@ def _masked_scores_t(s_t, MASK, m_base, rows, cols, L, S, stride_mm, stride_mn,
     return s_t
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["drop_threshold"])
 def _backward_main_kernel(
-        Q, K, V, DO, LSE, DELTA, MASK, DK, DV, DQACC, TICKETS, ERR, WORK_COUNTER, CU_Q, CU_K,
+        Q, K, V, DO, LSE, DELTA, MASK, DK, DV, DQACC, TICKETS, ERR, WORK_COUNTER, CU_Q, CU_K, RNG,
         stride_qb, stride_qh, stride_qm, stride_qe,
         stride_kb, stride_kh, stride_kn, stride_ke,
         stride_vb, stride_vh, stride_vn, stride_ve,
@@ -67,14 +72,15 @@ def _backward_main_kernel(
         stride_dkb, stride_dkh, stride_dkn, stride_dke,
         stride_dvb, stride_dvh, stride_dvn, stride_dve,
         HQ, HKV, L, S, n_q, n_kv, max_q, max_k, qk_scale, sm_scale, max_spin, win_left, win_right,
-        items_per_head, total_items,
+        items_per_head, total_items, drop_threshold, drop_scale,
         GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
         HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, EVEN_L: tl.constexpr, EVEN_S: tl.constexpr,
         WINDOW: tl.constexpr, VARLEN: tl.constexpr,
         SCHEDULE: tl.constexpr, NUM_SLOTS: tl.constexpr, ORDERED: tl.constexpr,
-        COMPUTE_DQ: tl.constexpr, ORDERED_WAITS: tl.constexpr, PRECISION: tl.constexpr):
+        COMPUTE_DQ: tl.constexpr, ORDERED_WAITS: tl.constexpr, PRECISION: tl.constexpr,
+        DROPOUT: tl.constexpr):
     NSUB: tl.constexpr = BLOCK_N // BLOCK_M
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -84,6 +90,7 @@ def _backward_main_kernel(
     held = TICKETS  # the ticket whose release is deferred to the next step (amount 0: none yet)
     held_amount = tl.program_id(0) * 0
     work = tl.program_id(0)
+    seed, offset = load_state(RNG, DROPOUT)
     while work < total_items:
         head = work // items_per_head
         item = work % items_per_head
@@ -167,8 +174,14 @@ def _backward_main_kernel(
                                                p_t, 0.0)
                             elif not EVEN_S:
                                 p_t = tl.where(cols[:, None] < S, p_t, 0.0)
-                            dv += mm(p_t.to(do.dtype), do, PRECISION)
                             dp_t = mm(v, tl.trans(do), PRECISION)
+                            if DROPOUT:
+                                kept = keep_t(seed, offset, drop_threshold, bh, row0, cols, L, S,
+                                              BLOCK_M)
+                                dv += mm(tl.where(kept, p_t, 0.0).to(do.dtype), do, PRECISION)
+                                dp_t = tl.where(kept, dp_t * drop_scale, 0.0)
+                            else:
+                                dv += mm(p_t.to(do.dtype), do, PRECISION)
                             ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
                             dk += mm(ds_t, q, PRECISION)
                             if COMPUTE_DQ:
@@ -202,7 +215,8 @@ def _backward_main_kernel(
                          (dk * sm_scale).to(DK.dtype.element_ty),
                          mask=keys[:, None] & (offs_e[None, :] < E))
                 tl.store(DV + dv_base + cols[:, None] * stride_dvn + offs_ev[None, :] * stride_dve,
-                         dv.to(DV.dtype.element_ty), mask=keys[:, None] & (offs_ev[None, :] < EV))
+                         (dv * drop_scale if DROPOUT else dv).to(DV.dtype.element_ty),
+                         mask=keys[:, None] & (offs_ev[None, :] < EV))
         if (CAUSAL or WINDOW) and not ORDERED:  # items of unequal length, no waits, whole items
             work = tl.atomic_add(WORK_COUNTER, 1, sem="relaxed") + tl.num_programs(0)
         else:  # a fixed deal: the waits rely on it (ops/shared/schedules.py); full-mask items are equal
@@ -213,7 +227,8 @@ def _backward_main_kernel(
 
 def main_constexprs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                     cfg: BackwardConfig, schedule: Schedule, *, is_causal: bool,
-                    window: tuple[int, int], packed: bool) -> dict[str, object]:
+                    window: tuple[int, int], packed: bool,
+                    dropout: bool = False) -> dict[str, object]:
     """The main kernel's compile-time arguments (and launch options) for (B, H, L, D) views."""
     e, ev = q.shape[3], v.shape[3]
     waits = schedule.ordered and not interpreting()
@@ -224,26 +239,28 @@ def main_constexprs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         EVEN_S=not packed and k.shape[2] % cfg.block_n == 0,
         WINDOW=tuple(window) != (-1, -1), VARLEN=packed, PRECISION=dot_precision(q.dtype),
         SCHEDULE=schedule.id, NUM_SLOTS=schedule.slots(is_causal), ORDERED=schedule.ordered,
-        COMPUTE_DQ=not schedule.separate_dq, ORDERED_WAITS=waits, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        COMPUTE_DQ=not schedule.separate_dq, ORDERED_WAITS=waits, DROPOUT=dropout,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if waits and cooperative_launch_supported():
         constexprs["launch_cooperative_grid"] = True
     return constexprs
 
 
 def _main_args(tensors: tuple, packed: tuple | None, sizes: tuple[int, ...],
-               window: tuple[int, int], scale: float, max_spin: int) -> tuple:
+               window: tuple[int, int], scale: float, max_spin: int,
+               dropout: Dropout | None = None) -> tuple:
     """The main kernel's positional arguments. ``tensors`` = (q, k, v, grad_out, lse, delta, mask,
     dk, dv, dq accumulator or None, tickets, flags) as (B, H, L, D) views; ``sizes`` = (L, S,
     Q tiles, KV tiles, items per head, items)."""
     q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets, flags = tensors
     mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
     cu_q, cu_k, max_q, max_k = packed or (tickets, tickets, 0, 0)
+    rng, drop_threshold, drop_scale = kernel_args(dropout, tickets)
     return (q, k, v, grad_out, lse, delta, mask_t, dk, dv,
-            dq_acc if dq_acc is not None else delta, tickets, flags[:1], flags[1:], cu_q, cu_k,
+            dq_acc if dq_acc is not None else delta, tickets, flags[:1], flags[1:], cu_q, cu_k, rng,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides,
             *dk.stride(), *dv.stride(), q.shape[1], k.shape[1], *sizes[:4], max_q, max_k,
-            scale * LOG2E, scale, max_spin, *window, *sizes[4:])
+            scale * LOG2E, scale, max_spin, *window, *sizes[4:], drop_threshold, drop_scale)
 
 
 def capacity(constexprs: dict[str, object], views: tuple, packed: tuple | None,
@@ -254,17 +271,20 @@ def capacity(constexprs: dict[str, object], views: tuple, packed: tuple | None,
     scratch = torch.empty((16,), device=q.device, dtype=torch.float32)
     counters = torch.empty((16,), device=q.device, dtype=torch.int32)
     tensors = (q, k, v, grad_out, lse, scratch, mask, dk, dv, scratch, counters, counters)
+    dropout = None
+    if constexprs["DROPOUT"]:  # a state of the real dtype: the same binary as the launch's
+        dropout = Dropout(0.5, torch.zeros((2,), device=q.device, dtype=torch.int64))
     return coresident_programs(_backward_main_kernel,
-                               _main_args(tensors, packed, sizes, window, 1.0, max_spin),
+                               _main_args(tensors, packed, sizes, window, 1.0, max_spin, dropout),
                                constexprs, q.device)
 
 
 def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  mask: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                 scale: float, max_spin: int) -> None:
-    """Write the gradients of attention into ``dq``, ``dk``, ``dv`` as ``plan`` says; ``lse`` is
-    the forward's contiguous fp32 (B, Hq, L) logsumexp."""
+                 scale: float, max_spin: int, dropout: Dropout | None = None) -> None:
+    """Write the gradients of attention (with the forward's ``dropout``) into ``dq``, ``dk``,
+    ``dv`` as ``plan`` says; ``lse`` is the forward's contiguous fp32 (B, Hq, L) logsumexp."""
     cfg, spec, schedule = plan.config, plan.spec, plan.schedule
     batch, hq, seq_q, e = q.shape
     n_q = spec["sizes"][2]
@@ -273,13 +293,13 @@ def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         acc_dim=0 if schedule.separate_dq else head_dim_bucket(e), ticket_rows=cfg.block_m,
         with_lse2=False, launches=plan.launches)
     launch_main(plan, (q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets, flags),
-                None, scale, max_spin)
+                None, scale, max_spin, dropout)
     if spec["zero_tail"]:  # keys after the last query tile: no causal query sees them
         dk[:, :, n_q * cfg.block_n:].zero_()
         dv[:, :, n_q * cfg.block_n:].zero_()
     if schedule.separate_dq:
         launch_dq_pass(plan.launches, q, k, v, grad_out, lse, delta, mask, dq, is_causal=spec["causal"],
-                       scale=scale, cfg=cfg, window=spec["window"])
+                       scale=scale, cfg=cfg, window=spec["window"], dropout=dropout)
     else:
         convert_dq(plan.launches, dq_acc.view(batch * hq, n_q * cfg.block_n, -1), dq)
     if schedule.ordered and not interpreting():
@@ -287,12 +307,13 @@ def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
 
 
 def launch_main(plan: Plan, tensors: tuple, packed: tuple | None, scale: float,
-                max_spin: int) -> None:
+                max_spin: int, dropout: Dropout | None = None) -> None:
     """Launch the main kernel on ``tensors`` (see :func:`_main_args`); ``packed`` =
     (cu_seq_q, cu_seq_k, max_q, max_k) for the VARLEN kernel: B sequences over the packed
     tensors (batch stride 0), L and S the packed totals, the tiles those of the longest
     sequence."""
     spec = plan.spec
     plan.launches("main", _backward_main_kernel, plan.grid,
-                  _main_args(tensors, packed, spec["sizes"], spec["window"], scale, max_spin),
+                  _main_args(tensors, packed, spec["sizes"], spec["window"], scale, max_spin,
+                             dropout),
                   spec["constexprs"])

@@ -8,6 +8,10 @@ edge tiles;
 user masks are loaded tile by tile through their (possibly zero) strides; GQA reads the KV head
 ``h // group``.
 
+With DROPOUT the probabilities that go into P V are dropped with ``shared/dropout.py``'s mask and
+the output is scaled by ``1 / (1 - p)``; the running sum and the logsumexp stay undropped, as
+SDPA's dropout applies after the softmax.
+
 With VARLEN the batch is virtual: program (seq * Hq + h, m) reads sequence ``seq``'s rows and
 length from the packed offsets (``tiles.sequence_bounds``), exits past its length, and aligns
 causal and window bottom-right (diagonal key ``S - L``), as FlashAttention's varlen kernels.
@@ -21,6 +25,7 @@ import triton.language as tl
 
 from ..plan import Plan
 from ..shared.device import head_dim_bucket
+from ..shared.dropout import Dropout, kernel_args, keep, load_state
 from ..shared.launch import dot_precision, mask_kind
 from ..shared.tiles import (LN2, LOG2E, key_tile_range, load_tile, masked_scores, mm, row_offset,
                             sequence_rows, window_keep)
@@ -38,15 +43,20 @@ def _scores_tile(q, K, offs_m, cols, L, S, diag, qk_scale, MASK, stride_mm, stri
 
 
 @triton.jit
-def _online_step(acc, m_i, l_i, s, V, start_n, offs_n, S, stride_vn, stride_ve,
+def _online_step(acc, m_i, l_i, s, V, start_n, offs_n, S, stride_vn, stride_ve, drop,
                  BOUNDS: tl.constexpr, EV: tl.constexpr, HEAD_EV: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """Fold one tile of log2-domain scores into the running max, sum and output accumulator."""
+                 PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+    """Fold one tile of log2-domain scores into the running max, sum and output accumulator;
+    ``drop`` = (seed, offset, threshold, bh, row0, L) of the dropout mask."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        seed, offset, threshold, bh, row0, L = drop
+        p = tl.where(keep(seed, offset, threshold, bh, row0, start_n + offs_n, L, S,
+                          p.shape[0]), p, 0.0)
     v = load_tile(V, start_n + offs_n, tl.arange(0, HEAD_EV), stride_vn, stride_ve, S, EV, BOUNDS,
                   EV != HEAD_EV)
     acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, PRECISION)
@@ -56,9 +66,9 @@ def _online_step(acc, m_i, l_i, s, V, start_n, offs_n, S, stride_vn, stride_ve,
 @triton.jit
 def _key_tile(acc, m_i, l_i, q, K, V, MASK, offs_m, start_n, offs_n, L, S, diag, qk_scale,
               stride_mm, stride_mn, stride_kn, stride_ke, stride_vn, stride_ve, win_left,
-              win_right, EDGE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+              win_right, drop, EDGE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
               WINDOW: tl.constexpr, E: tl.constexpr, HEAD_E: tl.constexpr, EV: tl.constexpr,
-              HEAD_EV: tl.constexpr, PRECISION: tl.constexpr):
+              HEAD_EV: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     """Fold the KV tile at ``start_n`` into the online softmax. Only an EDGE tile (one that
     crosses the diagonal, S or a window's edge: ``tiles.key_tile_range``) checks bounds and
     applies the causal and window masks; a user mask applies to every tile."""
@@ -68,25 +78,25 @@ def _key_tile(acc, m_i, l_i, q, K, V, MASK, offs_m, start_n, offs_n, L, S, diag,
     if EDGE and WINDOW:
         s = tl.where(window_keep(offs_m[:, None] + diag, (start_n + offs_n)[None, :], win_left,
                                  win_right), s, float("-inf"))
-    return _online_step(acc, m_i, l_i, s, V, start_n, offs_n, S, stride_vn, stride_ve, EDGE, EV,
-                        HEAD_EV, PRECISION)
+    return _online_step(acc, m_i, l_i, s, V, start_n, offs_n, S, stride_vn, stride_ve, drop, EDGE,
+                        EV, HEAD_EV, PRECISION, DROPOUT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["drop_threshold"])
 def _attention_forward_kernel(
-        Q, K, V, MASK, OUT, LSE, CU_Q, CU_K,
+        Q, K, V, MASK, OUT, LSE, CU_Q, CU_K, RNG,
         stride_qb, stride_qh, stride_qm, stride_qe,
         stride_kb, stride_kh, stride_kn, stride_ke,
         stride_vb, stride_vh, stride_vn, stride_ve,
         stride_mb, stride_mh, stride_mm, stride_mn,
         stride_ob, stride_oh, stride_om, stride_oe,
         stride_lb, stride_lh,
-        HQ, L, S, max_q, max_k, qk_scale, win_left, win_right,
+        HQ, L, S, max_q, max_k, qk_scale, win_left, win_right, drop_threshold, drop_scale,
         GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
         HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WINDOW: tl.constexpr,
-        VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+        VARLEN: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     M_AXIS: tl.constexpr = 1 if VARLEN else 0  # sequences x heads may pass 65535 programs
     pid_m = tl.program_id(M_AXIS)
     pid_bh = tl.program_id(1 - M_AXIS)
@@ -116,27 +126,34 @@ def _attention_forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_EV], tl.float32)
+    seed, offset = load_state(RNG, DROPOUT)
+    drop = (seed, offset, drop_threshold, pid_bh, start_m, L)
 
     start, full_start, full_end, end = key_tile_range(start_m, S, diag, BLOCK_M, BLOCK_N, CAUSAL,
                                                       WINDOW, win_left, win_right)
     for start_n in range(start, full_start, BLOCK_N):
         acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, k_ptr, v_ptr, mask_ptr, offs_m, start_n, offs_n,
                                   L, S, diag, qk_scale, stride_mm, stride_mn, stride_kn, stride_ke,
-                                  stride_vn, stride_ve, win_left, win_right, True, MASK_KIND,
-                                  CAUSAL, WINDOW, E, HEAD_E, EV, HEAD_EV, PRECISION)
+                                  stride_vn, stride_ve, win_left, win_right, drop, True,
+                                  MASK_KIND, CAUSAL, WINDOW, E, HEAD_E, EV, HEAD_EV, PRECISION,
+                                  DROPOUT)
     for start_n in range(full_start, full_end, BLOCK_N):
         acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, k_ptr, v_ptr, mask_ptr, offs_m, start_n, offs_n,
                                   L, S, diag, qk_scale, stride_mm, stride_mn, stride_kn, stride_ke,
-                                  stride_vn, stride_ve, win_left, win_right, False, MASK_KIND,
-                                  CAUSAL, WINDOW, E, HEAD_E, EV, HEAD_EV, PRECISION)
+                                  stride_vn, stride_ve, win_left, win_right, drop, False,
+                                  MASK_KIND, CAUSAL, WINDOW, E, HEAD_E, EV, HEAD_EV, PRECISION,
+                                  DROPOUT)
     for start_n in range(full_end, end, BLOCK_N):
         acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, k_ptr, v_ptr, mask_ptr, offs_m, start_n, offs_n,
                                   L, S, diag, qk_scale, stride_mm, stride_mn, stride_kn, stride_ke,
-                                  stride_vn, stride_ve, win_left, win_right, True, MASK_KIND,
-                                  CAUSAL, WINDOW, E, HEAD_E, EV, HEAD_EV, PRECISION)
+                                  stride_vn, stride_ve, win_left, win_right, drop, True,
+                                  MASK_KIND, CAUSAL, WINDOW, E, HEAD_E, EV, HEAD_EV, PRECISION,
+                                  DROPOUT)
 
     seen = l_i != 0.0  # 0 only where no key was seen; NaN (a NaN or +inf score) stays NaN
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if DROPOUT:
+        out = out * drop_scale
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2,
                    float("-inf"))
     o_ptrs = OUT + o_base + offs_m[:, None] * stride_om + offs_ev[None, :] * stride_oe
@@ -152,37 +169,40 @@ def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor
 
 def constexprs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                cfg: ForwardConfig, *, is_causal: bool, window: tuple[int, int],
-               packed: bool) -> dict[str, object]:
+               packed: bool, dropout: bool = False) -> dict[str, object]:
     """The forward kernel's compile-time arguments for (B, H, L, D) views of a call."""
     e, ev = q.shape[3], v.shape[3]
     return dict(GROUP=q.shape[1] // k.shape[1], E=e, EV=ev, HEAD_E=head_dim_bucket(e),
                 HEAD_EV=head_dim_bucket(ev), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 EVEN_M=not packed and q.shape[2] % cfg.block_m == 0, CAUSAL=is_causal,
                 MASK_KIND=mask_kind(mask), WINDOW=tuple(window) != (-1, -1), VARLEN=packed,
-                PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
+                PRECISION=dot_precision(q.dtype), DROPOUT=dropout, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
 
 
 def run_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-                scale: float) -> None:
-    """Write softmax(q k^T * scale + mask) v into ``out`` and its logsumexp into the contiguous
-    fp32 (B, Hq, L) ``lse``, as ``plan`` says."""
+                scale: float, dropout: Dropout | None = None) -> None:
+    """Write softmax(q k^T * scale + mask) v (with ``dropout``) into ``out`` and its logsumexp into
+    the contiguous fp32 (B, Hq, L) ``lse``, as ``plan`` says."""
     hq, seq_q = q.shape[1], q.shape[2]
-    launch_forward(plan, q, k, v, mask, out, lse, (hq * seq_q, seq_q), None, scale)
+    launch_forward(plan, q, k, v, mask, out, lse, (hq * seq_q, seq_q), None, scale, dropout)
 
 
 def launch_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-                   lse_strides: tuple[int, int], packed: tuple | None, scale: float) -> None:
+                   lse_strides: tuple[int, int], packed: tuple | None, scale: float,
+                   dropout: Dropout | None = None) -> None:
     """Launch the forward kernel on (B, H, L, D) views; ``lse_strides`` are its (batch, head)
     strides. ``packed`` = (cu_seq_q, cu_seq_k, max_q, max_k) for the VARLEN kernel: the views are
     the packed tensors with batch stride 0, B the number of sequences, and the grid's axes
     swapped: (B * H, Q tiles)."""
     mask_t, mask_strides = _mask_args(mask, q)
     cu_q, cu_k, max_q, max_k = packed or (lse, lse, 0, 0)
+    rng, threshold, drop_scale = kernel_args(dropout, lse)
     plan.launches("forward", _attention_forward_kernel, plan.grid, (
-        q, k, v, mask_t, out, lse, cu_q, cu_k,
+        q, k, v, mask_t, out, lse, cu_q, cu_k, rng,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(), *lse_strides,
-        q.shape[1], q.shape[2], k.shape[2], max_q, max_k, scale * LOG2E, *plan.spec["window"]),
+        q.shape[1], q.shape[2], k.shape[2], max_q, max_k, scale * LOG2E, *plan.spec["window"],
+        threshold, drop_scale),
         plan.spec["constexprs"])

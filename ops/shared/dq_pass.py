@@ -1,8 +1,10 @@
 """The ``recompute`` schedule's dQ kernel: one program per Q tile sums dS K over its KV tiles in
 ascending order, with no waits (the main kernel of ``ops/portable/backward.py`` then skips dQ). Also the
 per-row statistics both backward kernels load. A sliding window limits each Q tile to the KV tiles
-its rows see; the tiles outside are never loaded. With VARLEN the batch is virtual, as in the
-forward (``ops/portable/forward.py``): a program reads its sequence's bounds and exits past its length.
+its rows see; the tiles outside are never loaded. With DROPOUT, dP is dropped with the forward's
+keep mask (``dropout.py``) and scaled by ``1 / (1 - p)``, as in the main kernel. With VARLEN the
+batch is virtual, as in the forward (``ops/portable/forward.py``): a program reads its sequence's
+bounds and exits past its length.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .device import head_dim_bucket
+from .dropout import Dropout, kernel_args, keep, load_state
 from .launch import Launches, dot_precision, mask_kind
 from .tiles import (LOG2E, exp2_logsumexp, key_tile_range, load_tile, masked_scores, mm,
                     row_offset, sequence_rows, window_keep)
@@ -38,10 +41,10 @@ def load_row_stats(LSE, DELTA, row_base, rows, lo, hi, CHECK_LO: tl.constexpr,
 @triton.jit
 def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, cols, L, S, diag, qk_scale,
                   stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
-                  win_left, win_right,
+                  win_left, win_right, drop,
                   E: tl.constexpr, EV: tl.constexpr, HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
                   CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr,
-                  WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+                  WINDOW: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     """Add one KV tile's dS K to a dQ tile (recompute schedule).
 
     Queries stay along dim 0 throughout, so dS feeds the last dot straight from registers; the
@@ -56,13 +59,17 @@ def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, cols, L, S, diag, qk
                      float("-inf"))
     p = tl.math.exp2(s - lse2[:, None])
     dp = mm(do, tl.trans(v), PRECISION)
+    if DROPOUT:
+        seed, offset, threshold, bh, row0, drop_scale = drop
+        dp = tl.where(keep(seed, offset, threshold, bh, row0, cols, L, S, rows.shape[0]),
+                      dp * drop_scale, 0.0)
     ds = (p * (dp - delta[:, None])).to(k.dtype)
     return dq + mm(ds, k, PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["drop_threshold"])
 def _backward_dq_kernel(
-        Q, K, V, DO, LSE, DELTA, MASK, DQ, CU_Q, CU_K,
+        Q, K, V, DO, LSE, DELTA, MASK, DQ, CU_Q, CU_K, RNG,
         stride_qb, stride_qh, stride_qm, stride_qe,
         stride_kb, stride_kh, stride_kn, stride_ke,
         stride_vb, stride_vh, stride_vn, stride_ve,
@@ -70,11 +77,11 @@ def _backward_dq_kernel(
         stride_mb, stride_mh, stride_mm, stride_mn,
         stride_dqb, stride_dqh, stride_dqm, stride_dqe,
         stride_lb, stride_lh,
-        HQ, L, S, max_q, max_k, qk_scale, sm_scale, win_left, win_right,
-        GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
+        HQ, L, S, max_q, max_k, qk_scale, sm_scale, win_left, win_right, drop_threshold,
+        drop_scale, GROUP: tl.constexpr, E: tl.constexpr, EV: tl.constexpr,
         HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         EVEN_M: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WINDOW: tl.constexpr,
-        VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+        VARLEN: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     """dQ of one Q tile from all its KV tiles in ascending order (recompute schedule): no waits."""
     M_AXIS: tl.constexpr = 1 if VARLEN else 0  # sequences x heads may pass 65535 programs
     pid_bh = tl.program_id(1 - M_AXIS)
@@ -110,21 +117,23 @@ def _backward_dq_kernel(
                                                       WINDOW, win_left, win_right)
     offs_n = tl.arange(0, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_E], tl.float32)
+    seed, offset = load_state(RNG, DROPOUT)
+    drop = (seed, offset, drop_threshold, pid_bh, start_m, drop_scale)
     for start_n in range(start, full_start, BLOCK_N):  # a window's left edge
         dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
                            L, S, diag, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve,
-                           stride_mm, stride_mn, win_left, win_right, E, EV, HEAD_E, HEAD_EV,
-                           CAUSAL, True, MASK_KIND, WINDOW, PRECISION)
+                           stride_mm, stride_mn, win_left, win_right, drop, E, EV, HEAD_E,
+                           HEAD_EV, CAUSAL, True, MASK_KIND, WINDOW, PRECISION, DROPOUT)
     for start_n in range(full_start, full_end, BLOCK_N):
         dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
                            L, S, diag, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve,
-                           stride_mm, stride_mn, win_left, win_right, E, EV, HEAD_E, HEAD_EV,
-                           False, False, MASK_KIND, False, PRECISION)
+                           stride_mm, stride_mn, win_left, win_right, drop, E, EV, HEAD_E,
+                           HEAD_EV, False, False, MASK_KIND, False, PRECISION, DROPOUT)
     for start_n in range(full_end, end, BLOCK_N):
         dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
                            L, S, diag, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve,
-                           stride_mm, stride_mn, win_left, win_right, E, EV, HEAD_E, HEAD_EV,
-                           CAUSAL, True, MASK_KIND, WINDOW, PRECISION)
+                           stride_mm, stride_mn, win_left, win_right, drop, E, EV, HEAD_E,
+                           HEAD_EV, CAUSAL, True, MASK_KIND, WINDOW, PRECISION, DROPOUT)
     tl.store(DQ + dq_base + rows[:, None] * stride_dqm + offs_e[None, :] * stride_dqe,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(rows[:, None] < L) & (offs_e[None, :] < E))
 
@@ -132,7 +141,8 @@ def _backward_dq_kernel(
 def launch_dq_pass(launches: Launches, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor | None,
                    dq: torch.Tensor, *, is_causal: bool, scale: float, cfg,
-                   window: tuple[int, int] = (-1, -1), packed: tuple | None = None) -> None:
+                   window: tuple[int, int] = (-1, -1), packed: tuple | None = None,
+                   dropout: Dropout | None = None) -> None:
     """The ``recompute`` schedule's dQ kernel: each Q tile sums its KV tiles in ascending order.
 
     ``packed`` = (cu_seq_q, cu_seq_k, max_q, max_k) runs it over packed sequences (VARLEN): the
@@ -147,13 +157,16 @@ def launch_dq_pass(launches: Launches, q: torch.Tensor, k: torch.Tensor, v: torc
     else:
         cu_q, cu_k, max_q, max_k = packed
         grid, lse_strides = (batch * hq, triton.cdiv(max_q, cfg.dq_block_m)), (0, seq_q)
+    rng, drop_threshold, drop_scale = kernel_args(dropout, lse)
     launches("dq_pass", _backward_dq_kernel, grid, (
-        q, k, v, grad_out, lse, delta, mask_t, dq, cu_q, cu_k,
+        q, k, v, grad_out, lse, delta, mask_t, dq, cu_q, cu_k, rng,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides, *dq.stride(),
-        *lse_strides, hq, seq_q, seq_k, max_q, max_k, scale * LOG2E, scale, *window), dict(
+        *lse_strides, hq, seq_q, seq_k, max_q, max_k, scale * LOG2E, scale, *window,
+        drop_threshold, drop_scale), dict(
         GROUP=hq // hkv, E=e, EV=ev, HEAD_E=head_dim_bucket(e), HEAD_EV=head_dim_bucket(ev),
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
         EVEN_M=packed is None and seq_q % cfg.dq_block_m == 0,
         CAUSAL=is_causal, MASK_KIND=mask_kind(mask), WINDOW=tuple(window) != (-1, -1),
-        VARLEN=packed is not None, PRECISION=dot_precision(q.dtype), num_warps=cfg.dq_num_warps,
+        VARLEN=packed is not None, PRECISION=dot_precision(q.dtype),
+        DROPOUT=dropout is not None, num_warps=cfg.dq_num_warps,
         num_stages=cfg.dq_num_stages))

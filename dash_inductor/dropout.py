@@ -1,0 +1,105 @@
+"""Attention dropout: the RNG state a call draws, and its keep mask in PyTorch.
+
+The mask is ``ops/shared/dropout.py``'s, bit for bit: Philox4x32-10 (Salmon et al., SC 2011)
+keyed by the call's 64-bit seed, one call per (b, h, row // 4, col) at counter ``offset + ((b * H
++ h) * ceil(L / 4) + row // 4) * S + col``, output ``row % 4``, kept when at least
+``ceil(p * 2**32)``. Written here in int64 tensor arithmetic (every product below 2**63, so
+nothing relies on overflow) for the reference kernels and the tests.
+
+The state is an int64 (seed, offset) tensor on the query's device, drawn by ``dash::dropout_rng``
+from PyTorch's default generator of that device: on the device, without a host sync, and inside
+a CUDA graph (where PyTorch's generator advances per replay). ``torch.manual_seed`` therefore
+reproduces a run. The backward takes the same tensor and recomputes the mask; it is never stored.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dash_inductor.ops.shared.dropout import ROWS_PER_CALL, threshold
+
+_MASK32 = 0xFFFFFFFF
+_ROUND = (0xD2511F53, 0xCD9E8D57)  # Philox4x32 multipliers (M0, M1)
+_WEYL = (0x9E3779B9, 0xBB67AE85)  # key increments per round
+_ROUNDS = 10
+#: The draws' range: offset + counter stays below 2**63 for any tensor that fits in memory.
+_STATE_HIGH = 1 << 62
+
+
+def check_p(dropout_p: object, where: str = "dash.attention") -> float:
+    """``dropout_p`` as a float in [0, 1), else a ValueError naming ``where``."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise ValueError(f"{where}: dropout_p must be a float, got {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{where}: dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def check_state(dropout_p: float, rng_state: Tensor | None, device: torch.device,
+                where: str = "dash.attention") -> None:
+    """With dropout, ``rng_state`` must be the int64 (2,) tensor ``dash::dropout_rng`` draws."""
+    if dropout_p == 0.0:
+        return
+    if rng_state is None:
+        raise ValueError(f"{where}: dropout_p={dropout_p} needs rng_state, the (seed, offset) "
+                         f"tensor of torch.ops.dash.dropout_rng(query) (dash_inductor.attention "
+                         f"draws it)")
+    if rng_state.dtype != torch.int64 or tuple(rng_state.shape) != (2,):
+        raise ValueError(f"{where}: rng_state must be an int64 tensor of shape (2,), got "
+                         f"{rng_state.dtype} {tuple(rng_state.shape)}")
+    if rng_state.device != device:
+        raise ValueError(f"{where}: rng_state is on {rng_state.device}, the query on {device}")
+
+
+@torch.library.custom_op("dash::dropout_rng", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def dropout_rng(like: Tensor) -> Tensor:
+    """A fresh int64 (seed, offset) on ``like``'s device from its default generator. Tagged
+    nondeterministic_seeded: compilers keep it in program order and never recompute it."""
+    return torch.randint(0, _STATE_HIGH, (2,), dtype=torch.int64, device=like.device)
+
+
+@dropout_rng.register_fake
+def _dropout_rng_fake(like: Tensor) -> Tensor:
+    return torch.empty((2,), dtype=torch.int64, device=like.device)
+
+
+def _mul(a: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """(high, low) 32-bit words of ``a * m`` for uint32 values ``a`` held in int64, in 16-bit
+    halves of ``m`` so that no product reaches 2**63."""
+    low_part, high_part = a * (m & 0xFFFF), a * (m >> 16)
+    high = (high_part + (low_part >> 16)) >> 16
+    low = (((high_part & 0xFFFF) << 16) + low_part) & _MASK32
+    return high, low
+
+
+def philox(seed: Tensor, counter: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32-10 of counters (low, high word of ``counter``, 0, 0) under key ``seed`` (low,
+    high word), as Triton's ``tl.randint4x(seed, counter)``: four uint32 tensors held in int64."""
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    c0, c1 = counter & _MASK32, (counter >> 32) & _MASK32
+    c2 = c3 = torch.zeros_like(c0)
+    for _ in range(_ROUNDS):
+        hi0, lo0 = _mul(c0, _ROUND[0])
+        hi2, lo2 = _mul(c2, _ROUND[1])
+        c0, c1, c2, c3 = hi2 ^ c1 ^ k0, lo2, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _WEYL[0]) & _MASK32, (k1 + _WEYL[1]) & _MASK32
+    return c0, c1, c2, c3
+
+
+def keep_mask(rng_state: Tensor, dropout_p: float, shape: tuple[int, int, int, int],
+              cols: slice = slice(None)) -> Tensor:
+    """The bool keep mask of a (B, H, L, S) problem at keys ``cols`` (a step-1 slice), on
+    ``rng_state``'s device, without reading the state on the host."""
+    batch, heads, rows, keys = shape
+    start, stop, _ = cols.indices(keys)
+    device = rng_state.device
+    calls = -(-rows // ROWS_PER_CALL)
+    bh = torch.arange(batch * heads, device=device).view(batch, heads, 1, 1)
+    group = torch.arange(calls, device=device).view(1, 1, calls, 1)
+    col = torch.arange(start, stop, device=device).view(1, 1, 1, -1)
+    counter = rng_state[1] + (bh * calls + group) * keys + col
+    words = torch.stack(philox(rng_state[0], counter), dim=3)  # (B, H, calls, 4, cols)
+    x = words.reshape(batch, heads, calls * ROWS_PER_CALL, -1)[:, :, :rows]
+    return x >= threshold(dropout_p)
