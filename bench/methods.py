@@ -121,6 +121,10 @@ class Method:
 
 
 SDPA_OFF = Method("sdpa_off", "SDPA, determinism off", False)
+#: FlashAttention-4 (CuTe DSL), when ``flash_attn.cute`` imports: an optional peer, not a
+#: dependency. Its own ``deterministic`` flag picks its ordered dQ backward.
+FA4 = Method("fa4", "FlashAttention-4", False)
+FA4_DET = Method("fa4_det", "FlashAttention-4, deterministic", False)
 SDPA_ON = Method("sdpa_on", "SDPA, determinism on", True)
 FLEX = Method("flex", "FlexAttention (compiled)", False)
 BASELINES = (SDPA_OFF, SDPA_ON, FLEX)
@@ -152,6 +156,32 @@ def _sdpa(backend_name: str) -> Callable[[Tensor, Tensor, Tensor, Problem], Tens
                                                   enable_gqa=problem.group > 1)
 
     return run
+
+
+def fa4_available() -> bool:
+    """Whether FlashAttention-4's CuTe interface imports here (a GPU machine it was installed on)."""
+    try:
+        from flash_attn.cute import flash_attn_func  # noqa: F401
+    except Exception:  # not installed, or its CUDA libraries are missing
+        return False
+    return True
+
+
+def _fa4(deterministic: bool) -> Callable[[Tensor, Tensor, Tensor, Problem], Tensor]:
+    from flash_attn.cute import flash_attn_func
+
+    def run(q: Tensor, k: Tensor, v: Tensor, problem: Problem) -> Tensor:
+        result = flash_attn_func(q, k, v, causal=problem.causal, deterministic=deterministic)
+        return result[0] if isinstance(result, tuple) else result
+
+    return run
+
+
+def fa4_layout(inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The same values in FlashAttention-4's (B, N, H, D) layout, contiguous, as its users hold
+    them (a transposed view would time a copy inside FA4, not its kernels)."""
+    return tuple(t.detach().transpose(1, 2).contiguous().requires_grad_(t.requires_grad)
+                 for t in inputs)
 
 
 _FLEX_COMPILED: list[Callable[..., Tensor]] = []
@@ -192,6 +222,8 @@ class Prepared:
     forward: Callable[[Tensor, Tensor, Tensor], Tensor]
     mode: Callable[[], ContextManager[None]]
     backend: str  #: the SDPA backend, "flex", or the dash schedule the kernels actually used
+    #: The method's own copy of the inputs where it wants another layout (FlashAttention-4).
+    inputs: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
 
 def prepare(method: Method, problem: Problem, inputs: tuple[Tensor, Tensor, Tensor, Tensor]
@@ -202,7 +234,8 @@ def prepare(method: Method, problem: Problem, inputs: tuple[Tensor, Tensor, Tens
     dash reports the schedule its launcher used (it may fall back, e.g. shift to recompute).
     Raises what the implementation raises when it cannot run the problem.
     """
-    q, k, v, grad_out = inputs
+    own = fa4_layout(inputs) if method in (FA4, FA4_DET) else None
+    q, k, v, grad_out = own or inputs
 
     def mode() -> ContextManager[None]:
         stack = contextlib.ExitStack()
@@ -225,12 +258,14 @@ def prepare(method: Method, problem: Problem, inputs: tuple[Tensor, Tensor, Tens
         candidates = [("flash", _sdpa("FLASH_ATTENTION"))]
     elif method is FLEX:
         candidates = [("flex", _flex)]
+    elif method in (FA4, FA4_DET):
+        candidates = [(method.name, _fa4(method is FA4_DET))]
     else:
         candidates = [(method.schedule or "", _dash)]
     errors = []
     for backend, fn in candidates:
         prepared = Prepared(method, problem, lambda a, b, c, fn=fn: fn(a, b, c, problem), mode,
-                            backend)
+                            backend, own)
         try:
             with mode():
                 prepared.forward(q, k, v).backward(grad_out)
@@ -269,7 +304,7 @@ def measure(prepared: Prepared, inputs: tuple[Tensor, Tensor, Tensor, Tensor], *
             forward: bool = True, backward: bool = True, forward_backward: bool = False,
             warmup: int = 10, rep: int = 40) -> Timing:
     """Time the forward, the backward (of a retained graph) and/or both together."""
-    q, k, v, grad_out = inputs
+    q, k, v, grad_out = prepared.inputs or inputs
     leaves = [q, k, v]
     results: dict[str, float] = {}
     with prepared.mode():

@@ -212,7 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dims", default="64,128", help="comma-separated (default 64,128)")
     parser.add_argument("--seqs", default=",".join(map(str, m.SEQS)), help="comma-separated")
     parser.add_argument("--methods", default=",".join(x.name for x in m.METHODS),
-                        help="comma-separated subset of: " + ", ".join(x.name for x in m.METHODS))
+                        help="comma-separated subset of: " + ", ".join(x.name for x in _choosable())
+                        + " (fa4 and fa4_det where flash_attn.cute imports)")
     parser.add_argument("--kernel", default="auto", choices=catalog.KERNELS,
                         help="dash's kernel path (dash_inductor.config.kernel; default auto)")
     parser.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms (default 10)")
@@ -223,6 +224,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _choosable() -> tuple[m.Method, ...]:
+    """Every method --methods names: the default ones, dash's auto schedule, FlashAttention-4."""
+    return (*m.METHODS, m.DASH_AUTO, m.FA4, m.FA4_DET)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -231,10 +237,14 @@ def main(argv: list[str] | None = None) -> int:
               f"`{CPU_COMMAND}` runs the packed-document benchmark at tiny sizes (a smoke test of "
               f"the scripts, not a measurement).", file=sys.stderr)
         return 2
-    by_name = {x.name: x for x in m.METHODS}
+    by_name = {x.name: x for x in _choosable()}
     unknown = [x for x in args.methods.split(",") if x not in by_name]
     if unknown:
         print(f"error: --methods: unknown {unknown}; choose from {list(by_name)}", file=sys.stderr)
+        return 2
+    if {"fa4", "fa4_det"} & set(args.methods.split(",")) and not m.fa4_available():
+        print("error: --methods fa4/fa4_det: flash_attn.cute (FlashAttention-4) does not import "
+              "here", file=sys.stderr)
         return 2
     problems = m.grid(args.quick, tuple(int(x) for x in args.head_dims.split(",")),
                       tuple(int(x) for x in args.seqs.split(",")))
