@@ -48,7 +48,8 @@ def _folder(path: str) -> tuple[str, str]:
 def _where(paths: list[str], device: str, torch: str, triton: str | None, extra: str = "") -> str:
     """The line above a table: device, versions, date, commit(s) and the raw folder(s)."""
     dates, commits = zip(*(_folder(p) for p in paths))
-    folders = " and ".join(f"`{Path(p).parent.as_posix()}/`" for p in paths)
+    commits = tuple(dict.fromkeys(commits))
+    folders = " and ".join(dict.fromkeys(f"`{Path(p).parent.as_posix()}/`" for p in paths))
     return (f"{device} · torch {torch}{f' · Triton {triton}' if triton else ''} · "
             f"{' and '.join(dict.fromkeys(dates))} · commit{'s' * (len(commits) > 1)} "
             f"{' and '.join(commits)} · raw: "
@@ -122,26 +123,62 @@ def hopper(path: str) -> str:
 
 
 def step(path: str) -> str:
-    """bench/step.py's JSON: median step time of each variant."""
+    """bench/step.py's JSON: median step time of each variant (per compile mode where it ran
+    more than one), and with several modes the host time a step of steps run back to back."""
     data = _load(path)
     env, args = data["environment"], data["args"]
-    by = {(s["seq"], s["variant"]): s["step_ms"] for s in data["steps"]}
+    steps = data["steps"]
+    by = {(s["seq"], s.get("mode", "default"), s["variant"]): s for s in steps}
+    modes = list(dict.fromkeys(s.get("mode", "default") for s in steps))
     body, dash_ratio, sdpa_ratio = [], [], []
-    for seq in dict.fromkeys(s["seq"] for s in data["steps"]):
-        dash, on = by[(seq, "dash (determinism on)")], by[(seq, "SDPA (determinism on)")]
-        off = by[(seq, "determinism off")]
-        dash_ratio.append(dash / off)
-        sdpa_ratio.append(on / off)
-        body.append([str(seq), f"{dash:.1f}", f"{on:.1f}", f"{off:.1f}", f"{dash / off:.2f}",
-                     f"{on / off:.2f}"])
-    header = ["N", "dash ms", "SDPA det. on ms", "det. off ms", "dash / off", "SDPA on / off"]
+    for seq, mode in dict.fromkeys((s["seq"], s.get("mode", "default")) for s in steps):
+        dash, on, off = (by[(seq, mode, v)] for v in (
+            "dash (determinism on)", "SDPA (determinism on)", "determinism off"))
+        dash_ratio.append(dash["step_ms"] / off["step_ms"])
+        sdpa_ratio.append(on["step_ms"] / off["step_ms"])
+        row = [str(seq)] + [mode] * (len(modes) > 1) + [
+            f"{dash['step_ms']:.1f}", f"{on['step_ms']:.1f}", f"{off['step_ms']:.1f}",
+            f"{dash_ratio[-1]:.2f}", f"{sdpa_ratio[-1]:.2f}"]
+        if len(modes) > 1:
+            row.append(" / ".join(f"{x['host_ms']:.1f}" for x in (dash, on, off)))
+        body.append(row)
+    header = (["N"] + ["compile mode"] * (len(modes) > 1)
+              + ["dash ms", "SDPA det. on ms", "det. off ms", "dash / off", "SDPA on / off"]
+              + ["host ms a step, back to back (dash / SDPA on / off)"] * (len(modes) > 1))
     shape = (f" · {args['layers']} layers, d_model {args['d_model']}, {args['heads']} heads, "
              f"{'B = ' + str(args['batch']) if args.get('batch') else 'B·N = ' + str(args['tokens'])}"
              f"{', no optimizer' if args.get('no_optimizer') else ', AdamW'}")
     return (_where([path], env["gpu"], env["torch"], env["triton"], shape) + "\n"
             + _table(header, body)
             + (f"\n- dash / determinism off {_span(dash_ratio, 2)}×; SDPA determinism on / off "
-               f"{_span(sdpa_ratio, 2)}×\n" if len(body) > 1 else ""))
+               f"{_span(sdpa_ratio, 2)}×\n" if len(body) > 1 and len(modes) == 1 else ""))
+
+
+def fa4(*paths: str) -> str:
+    """bench/run.py's JSON with FlashAttention-4's methods: backward and forward TFLOP/s of
+    cuDNN, FA4 (non-deterministic and deterministic) and dash's auto schedule."""
+    runs = [_load(p) for p in paths]
+    rows = [row for run in runs for row in run["rows"] if not row.get("error")]
+    cell = {(r["problem"], r["method"]): r for r in rows}
+    body, backward, forward = [], [], []
+    for problem in dict.fromkeys(r["problem"] for r in rows):
+        get = lambda method, what: cell[(problem, method)][f"{what}_tflops"]
+        dash = cell[(problem, "dash_auto")]
+        backward.append(get("dash_auto", "backward") / get("fa4_det", "backward"))
+        forward.append(get("dash_auto", "forward") / get("fa4", "forward"))
+        body.append([problem, f"{get('sdpa_off', 'backward'):.0f}", f"{get('fa4', 'backward'):.0f}",
+                     f"{get('fa4_det', 'backward'):.0f}",
+                     f"{dash['backward_tflops']:.0f} ({dash['backend']})", f"{backward[-1]:.2f}",
+                     f"{get('fa4', 'forward'):.0f}", f"{get('dash_auto', 'forward'):.0f}",
+                     f"{forward[-1]:.2f}"])
+    header = ["problem", "bwd cuDNN (det. off)", "bwd FA4", "bwd FA4 det.", "bwd dash auto",
+              "dash / FA4 det.", "fwd FA4", "fwd dash", "dash / FA4"]
+    env = runs[0]["environment"]
+    return (_where(list(paths), env["gpu"], env["torch"], env["triton"],
+                   " · TFLOP/s, B·N = 16384, H·D = 2048, bf16") + "\n"
+            + _table(header, body)
+            + f"\n- backward: dash / FA4 deterministic {_span(backward, 2)}×; forward: dash / FA4 "
+              f"{_span(forward, 2)}×\n")
 
 
 def packed(path: str) -> str:
@@ -234,7 +271,7 @@ def determinism(path: str) -> str:
 
 
 KINDS: dict[str, Callable[..., str]] = {f.__name__: f for f in (
-    grid, hopper, step, packed, host, provider, distributed, determinism)}
+    grid, hopper, step, packed, host, provider, distributed, determinism, fa4)}
 
 
 def render(text: str) -> str:
