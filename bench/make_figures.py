@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dash_inductor import schedule as S  # noqa: E402
+from dash_inductor.model import schedule as S  # noqa: E402
 
 IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 C, R = 1.0, 0.4

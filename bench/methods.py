@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 import dash_inductor  # noqa: E402
-from dash_inductor.library import last_plans  # noqa: E402
+from dash_inductor.library.op import last_plans  # noqa: E402
 from dash_inductor.ops import catalog  # noqa: E402
 
 TOKENS = 16384  #: B * N of every grid problem

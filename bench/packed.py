@@ -50,7 +50,7 @@ import dash_inductor  # noqa: E402
 import methods as m  # noqa: E402
 import outdir  # noqa: E402
 import packed_methods as pm  # noqa: E402
-from dash_inductor.library import last_plans  # noqa: E402
+from dash_inductor.library.op import last_plans  # noqa: E402
 from dash_inductor.ops import catalog  # noqa: E402
 
 Timer = Callable[[Callable[[], object], list[Tensor] | None], float]

@@ -38,7 +38,8 @@ import torch  # noqa: E402
 import dash_inductor  # noqa: E402
 import outdir  # noqa: E402
 from methods import determinism, top_kernels  # noqa: E402
-from dash_inductor import integrations, library  # noqa: E402
+from dash_inductor import integrations  # noqa: E402
+from dash_inductor.library import op as library
 
 #: name -> (attn_implementation, deterministic algorithms, "DASH" provider active)
 VARIANTS = {

@@ -226,13 +226,13 @@ def check_plans(v: Variant, plans) -> str | None:
 
 
 def run_variant(v: Variant, sz: Sizes, device: str, repeat: int, check: bool) -> tuple[bool, str]:
-    from dash_inductor.library import last_plans
+    from dash_inductor.library.op import last_plans
     from dash_inductor.testing import flash_rule_errors
 
     dtype = torch.bfloat16
     runs = []
     for _ in range(repeat):
-        recorded = getattr(dash_inductor.library, "_PLANS", None)
+        recorded = getattr(dash_inductor.library.op, "_PLANS", None)
         if recorded is not None:  # this run's plans only
             recorded.clear()
         if v.layout == "packed":

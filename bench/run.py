@@ -8,7 +8,7 @@ the command in its README.md; --json and --markdown write those two elsewhere in
 Follows the protocol of docs/benchmarks.md ("How it is measured"): one process, one GPU, random
 bf16 inputs, do_bench medians; the grid is head dim 64 and 128, H*D = 2048, B*N = 16384, N from 512
 to 16k, causal and full, plus GQA (Hq/Hkv = 4) at N = 4k and 8k. Next to each schedule's backward
-time it gives the DASH model's critical-path prediction (dash_inductor.schedule), scaled by the
+time it gives the DASH model's critical-path prediction (dash_inductor.model.schedule), scaled by the
 measured atomic time.
 
 A measurement that fails is recorded with its error and the run goes on. The measuring runs in a
@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import methods as m  # noqa: E402
 import outdir  # noqa: E402
 import report  # noqa: E402
-from dash_inductor.demo import ProgressBar, quiet_cache_key_warnings  # noqa: E402
+from dash_inductor.demo.cli import ProgressBar, quiet_cache_key_warnings  # noqa: E402
 from dash_inductor.ops import catalog  # noqa: E402
 
 CONTEXT_LOST = 3  #: the worker's exit status after a CUDA error that poisons the process
@@ -72,7 +72,7 @@ def predicted_backward_ms(problem: m.Problem, schedule: str, atomic_ms: float | 
     measurement (one persistent program per SM; dQ reduction cost r = c/4, the model's default)."""
     if atomic_ms is None:
         return None
-    from dash_inductor.schedule import predicted_makespan
+    from dash_inductor.model.schedule import predicted_makespan
 
     shape = dict(n_tiles=_tiles(problem, arch), n_heads=problem.batch * problem.heads_kv,
                  programs=programs, causal=problem.causal, group=problem.group)

@@ -8,13 +8,13 @@ registers the ops and installs the Inductor pass that rewrites SDPA into ``dash.
 ``torch.use_deterministic_algorithms``.
 """
 
-from . import config, distributed, integrations
-from .entry import attention
-from .library import unsupported_reason
-from .rewrite import explain
-from .rewrite import install as enable
-from .rewrite import uninstall as disable
-from .varlen import varlen_attention
+from dash_inductor import config, distributed, integrations
+from dash_inductor.library.entry import attention
+from dash_inductor.library.op import unsupported_reason
+from dash_inductor.inductor.rewrite import explain
+from dash_inductor.inductor.rewrite import install as enable
+from dash_inductor.inductor.rewrite import uninstall as disable
+from dash_inductor.library.varlen import varlen_attention
 
 enable()
 integrations.install()  # registers, never activates: see dash_inductor.integrations

@@ -15,7 +15,7 @@ DEMO_SIZE_FLAGS = ("layers", "d_model", "heads", "seq", "batch", "steps")
 
 
 def _parser() -> argparse.ArgumentParser:
-    from dash_inductor.tiny_gpt import CUDA_DEFAULTS, DemoConfig
+    from dash_inductor.demo.tiny_gpt import CUDA_DEFAULTS, DemoConfig
 
     parser = argparse.ArgumentParser(prog="python -m dash_inductor",
                                      description="Fast, bitwise-reproducible attention for PyTorch.")
@@ -44,8 +44,8 @@ def _parser() -> argparse.ArgumentParser:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from dash_inductor.demo import run_demo
-    from dash_inductor.tiny_gpt import CUDA_DEFAULTS, DemoConfig
+    from dash_inductor.demo.cli import run_demo
+    from dash_inductor.demo.tiny_gpt import CUDA_DEFAULTS, DemoConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -124,7 +124,7 @@ def info_lines() -> list[str]:
                  f"(deterministic: {', '.join(config.DETERMINISTIC_SCHEDULES)})")
     lines.append(f"rewrite: {_rewrite_status()}; deterministic algorithms now "
                  f"{'on' if torch.are_deterministic_algorithms_enabled() else 'off'}")
-    from dash_inductor.library import last_plans
+    from dash_inductor.library.op import last_plans
 
     lines += [f"last launch: {plan}" for plan in last_plans()[-2:]]
     return lines
@@ -147,7 +147,7 @@ def _ops_status() -> str:
 
 def _rewrite_status() -> str:
     try:
-        from dash_inductor import rewrite
+        from dash_inductor.inductor import rewrite
     except Exception as error:  # report why the pass cannot load, whatever it is
         return f"the Inductor pass cannot be imported ({type(error).__name__}: {error})"
     installed = rewrite.PRE_GRAD_PASS.installed and rewrite.JOINT_PASS.installed

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .integrations.import_hook import after_import
+from dash_inductor.integrations.import_hook import after_import
 
 #: One single-mesh-dim strategy: (output placements, input placements), as register_sharding takes.
 Strategy = tuple[list[Any], list[Any]]

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 examples/distributed_train.py --sdpa         # PyTorch's SDPA
     torchrun --nproc-per-node 2 examples/distributed_train.py --device cpu --modes ddp --steps 2
 
-The package's small GPT (``dash_inductor.tiny_gpt``: causal SDPA, grouped-query attention in every
+The package's small GPT (``dash_inductor.demo.tiny_gpt``: causal SDPA, grouped-query attention in every
 other layer, q, k and v projected separately) is compiled and trained under
 ``torch.use_deterministic_algorithms(True)``, so dash_inductor's pass runs ``dash.attention``
 in place of SDPA (``--sdpa`` turns the rewrite off: PyTorch's deterministic SDPA, for the step
@@ -49,7 +49,7 @@ from torch import Tensor, nn  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 
 import dash_inductor  # noqa: E402
-from dash_inductor.tiny_gpt import DemoConfig, TinyGPT, chain_batch, make_model  # noqa: E402
+from dash_inductor.demo.tiny_gpt import DemoConfig, TinyGPT, chain_batch, make_model  # noqa: E402
 
 MODES = ("ddp", "fsdp", "tp")
 

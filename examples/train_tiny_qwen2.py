@@ -67,7 +67,7 @@ def run(path: str, steps: int, device: str, dtype: torch.dtype) -> bool:
             from torch._inductor.utils import fresh_inductor_cache
 
             stack.enter_context(fresh_inductor_cache())
-            sites = stack.enter_context(dash_inductor.rewrite.recording())
+            sites = stack.enter_context(dash_inductor.inductor.rewrite.recording())
         if path == "provider":
             stack.callback(integrations.deactivate_provider)
         first, second = (train(path, steps, device, dtype) for _ in range(2))

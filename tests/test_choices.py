@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch._inductor.utils import fresh_inductor_cache, run_fw_bw_and_get_code
 
 import dash_inductor
-from dash_inductor import config, library, rewrite
+from dash_inductor import config
+from dash_inductor.library import op as library
+from dash_inductor.inductor import rewrite
 from dash_inductor.__main__ import info_lines
 from dash_inductor.ops import catalog
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dash_inductor import __main__ as cli
-from dash_inductor import demo as demo_module
-from dash_inductor.demo import Run, Variant, demo, differing_tensors, render_table, train, verdict
-from dash_inductor.tiny_gpt import DemoConfig
+from dash_inductor.demo import cli as demo_module
+from dash_inductor.demo.cli import Run, Variant, demo, differing_tensors, render_table, train, verdict
+from dash_inductor.demo.tiny_gpt import DemoConfig
 
 TINY = DemoConfig(layers=2, d_model=32, heads=4, seq=24, batch=2, steps=3, seed=3)
 

@@ -23,7 +23,7 @@ import triton.language as tl  # noqa: E402
 
 import dash_inductor  # noqa: E402
 from dash_inductor import config  # noqa: E402
-from dash_inductor.dropout import keep_mask, philox  # noqa: E402
+from dash_inductor.library.dropout import keep_mask, philox  # noqa: E402
 from dash_inductor.ops import attention_backward, attention_forward, rules  # noqa: E402
 from dash_inductor.ops.catalog import NAMES  # noqa: E402
 from dash_inductor.ops.portable.configs import ForwardConfig  # noqa: E402

@@ -10,7 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dash_inductor
-from dash_inductor import config, entry
+from dash_inductor import config
+from dash_inductor.library import entry
 
 
 @pytest.fixture
@@ -78,7 +79,7 @@ def test_a_repeated_signature_skips_planning_and_gives_the_same_bits(monkeypatch
     planning, no validation), a gradient of another layout plans once more, and the bits equal
     those of calls that planned everything. (The interpreter runs programs one after another:
     this checks reuse and order, not races.)"""
-    from dash_inductor import signatures
+    from dash_inductor.library import signatures
     from dash_inductor.ops import dispatch
 
     q, k, v = _inputs(shape=(1, 2, 24, 16))

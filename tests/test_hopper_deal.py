@@ -14,12 +14,12 @@ import triton.language as tl
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from dash_inductor import schedule
+from dash_inductor.model import schedule
 from dash_inductor.ops import catalog
 from dash_inductor.ops.hopper.dq_tail import CHUNKS, chunk_rows
 from dash_inductor.ops.hopper.packed_prep import packed_prepare
 from dash_inductor.ops.shared.launch import Launches
-from dash_inductor.packed_schedule import packed_plans
+from dash_inductor.model.packed_schedule import packed_plans
 
 BLOCK_N = 16
 

@@ -108,7 +108,7 @@ def test_the_documented_names_import():
     from dash_inductor import config, integrations, testing  # noqa: F401
     from dash_inductor.ops import (Plan, cache_clear, cache_info, catalog,  # noqa: F401
                                    check_spin_flags)
-    from dash_inductor.library import last_plans  # noqa: F401
+    from dash_inductor.library.op import last_plans  # noqa: F401
 
     for name in ("attention", "varlen_attention", "explain", "enable", "disable", "config",
                  "unsupported_reason", "integrations", "testing"):

@@ -163,7 +163,7 @@ def test_reference_is_bitwise_reproducible():
 def test_unfilled_skips_the_deterministic_fill_inside_only(deterministic_algorithms):
     """``shapes.unfilled`` turns PyTorch's NaN fill of new memory off for the op's own buffers and
     back on after, also when the body raises; with determinism off it touches nothing."""
-    from dash_inductor.shapes import unfilled
+    from dash_inductor.library.shapes import unfilled
 
     fill = torch.utils.deterministic
     assert torch.empty(64).isnan().all()

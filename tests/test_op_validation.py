@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import dash_inductor
-from dash_inductor import shapes
+from dash_inductor.library import shapes
 
 
 def _qkv(q=(2, 3, 5, 8), k=(2, 3, 7, 8), v=None, dtype=torch.float32):

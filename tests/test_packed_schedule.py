@@ -1,4 +1,4 @@
-"""The DASH model for packed sequences (dash_inductor/packed_schedule.py): the kernels' deal,
+"""The DASH model for packed sequences (dash_inductor/model/packed_schedule.py): the kernels' deal,
 every needed pair once with its sequence's own ranks, no wait cycle, one sequence = dense."""
 
 from collections import Counter
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dash_inductor import schedule
+from dash_inductor.model import schedule
 from dash_inductor.ops.catalog import NAMES, ORDERED
-from dash_inductor.packed_schedule import packed_plans, simulate_claimed, simulate_packed
+from dash_inductor.model.packed_schedule import packed_plans, simulate_claimed, simulate_packed
 
 ONE_PASS = [name for name in NAMES if name != "recompute"]
 packings = st.lists(st.integers(0, 9), min_size=1, max_size=5).filter(any)

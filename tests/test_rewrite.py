@@ -18,7 +18,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_inductor_cache, run_and_get_code, run_fw_bw_and_get_code
 
 import dash_inductor  # noqa: F401  (registers the op)
-from dash_inductor import config, rewrite
+from dash_inductor import config
+from dash_inductor.inductor import rewrite
 
 OP = "torch.ops.dash.attention.default"
 BACKWARD_OP = "torch.ops.dash.attention_backward.default"
@@ -354,7 +355,7 @@ def test_uuid_and_pickle_follow_decision_and_chained_uuids() -> None:
 def test_a_site_without_a_stack_trace_is_labelled_by_what_it_is():
     """A pre-grad node without a stack trace names its module and node, and is not called fused;
     a joint-graph node is Inductor's fusion; with a trace, file:line in function."""
-    from dash_inductor.sites import _site_of
+    from dash_inductor.inductor.sites import _site_of
 
     graph = torch.fx.Graph()
     node = graph.call_function(F.scaled_dot_product_attention, ())
@@ -369,7 +370,7 @@ def test_a_site_without_a_stack_trace_is_labelled_by_what_it_is():
 def test_rewriting_on_the_cpu_says_once_what_it_costs(caplog):
     """On the CPU the rewrite runs dash's reference, slower than PyTorch's own CPU attention: an
     INFO line says so once per process, with the way back (rewrite='off')."""
-    from dash_inductor import sites
+    from dash_inductor.inductor import sites
 
     sites._cpu_noted.clear()
     torch.use_deterministic_algorithms(True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from dash_inductor import rewrite
+from dash_inductor.inductor import rewrite
 
 @pytest.fixture(autouse=True)
 def fresh_compiles(deterministic_algorithms):

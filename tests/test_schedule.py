@@ -1,11 +1,11 @@
-"""The DAG model of dash_inductor/schedule.py: DASH's results, and the invariants of every schedule."""
+"""The DAG model of dash_inductor/model/schedule.py: DASH's results, and the invariants of every schedule."""
 
 import itertools
 import random
 
 import pytest
 
-from dash_inductor import schedule as S
+from dash_inductor.model import schedule as S
 
 # Dyadic costs keep sums of floats exact; ratios c/r from 1 to 8.
 COSTS = [(1.0, 0.125), (1.0, 0.25), (0.75, 0.5), (2.0, 0.25)]

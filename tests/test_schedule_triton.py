@@ -1,4 +1,4 @@
-"""ops/shared/schedules.py's @triton.jit functions equal their plain-Python twins in dash_inductor/schedule.py,
+"""ops/shared/schedules.py's @triton.jit functions equal their plain-Python twins in dash_inductor/model/schedule.py,
 and both take the schedules' names, ids and properties from ops/catalog.py.
 
 One tiny kernel launch per (schedule, causal, n_q, n_kv) evaluates every function for every
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from dash_inductor import schedule as model  # noqa: E402
+from dash_inductor.model import schedule as model  # noqa: E402
 from dash_inductor.ops import catalog  # noqa: E402
 from dash_inductor.ops.shared import schedules as ops  # noqa: E402
 

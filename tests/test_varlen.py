@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dash_inductor import config, pytest_plugin
-from dash_inductor.varlen import AuxRequest, varlen_attention
+from dash_inductor.library.varlen import AuxRequest, varlen_attention
 from tests._reference import tolerance
 
 CI = settings.get_profile(pytest_plugin.CI_PROFILE)

@@ -21,12 +21,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from dash_inductor import config, library, pytest_plugin
+from dash_inductor import config, pytest_plugin
+from dash_inductor.library import op as library
 from dash_inductor.ops import catalog, dispatch
 from dash_inductor.ops.shared import offsets
 from dash_inductor.ops.portable import packed
 from dash_inductor.ops.shared.launch import Launches
-from dash_inductor.varlen import varlen_attention
+from dash_inductor.library.varlen import varlen_attention
 from tests.test_varlen import _assert_packing_invariant, _check, _offsets, packings
 
 CI = settings.get_profile(pytest_plugin.CI_PROFILE)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import dash_inductor
 from dash_inductor import config, pytest_plugin
-from dash_inductor.window import check_window
+from dash_inductor.library.window import check_window
 from tests._reference import sdpa_math, tolerance
 
 CI = settings.get_profile(pytest_plugin.CI_PROFILE)
@@ -145,6 +145,6 @@ def test_shift_falls_back_under_a_window_and_says_so(is_causal, fallback):
     with config.patch(cpu_backend="triton"):
         dash_inductor.attention(q, q, q, is_causal=is_causal, window_size=(6, -1),
                                 schedule="shift").sum().backward()
-    plan = dash_inductor.library.last_plans()[-1]
+    plan = dash_inductor.library.op.last_plans()[-1]
     assert (plan.schedule_requested, plan.schedule.name) == ("shift", fallback)
     assert "no sliding-window ranks" in plan.fallback

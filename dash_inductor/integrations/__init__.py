@@ -17,10 +17,10 @@ import logging
 
 import torch
 
-from . import hf, kernel_support, provider, provider_varlen, routes
-from .import_hook import after_import
-from .routes import dash_calls, fallbacks
-from .routes import reset as reset_counts
+from dash_inductor.integrations import hf, kernel_support, provider, provider_varlen, routes
+from dash_inductor.integrations.import_hook import after_import
+from dash_inductor.integrations.routes import dash_calls, fallbacks
+from dash_inductor.integrations.routes import reset as reset_counts
 
 log = logging.getLogger("dash_inductor")
 

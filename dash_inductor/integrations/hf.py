@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dash_inductor.entry import attention
-from dash_inductor.library import unsupported_reason
+from dash_inductor.library.entry import attention
+from dash_inductor.library.op import unsupported_reason
 
-from . import routes
+from dash_inductor.integrations import routes
 
 NAME = "dash"
 _BY_EAGER = "; transformers' eager attention runs it"

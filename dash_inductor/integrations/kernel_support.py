@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from dash_inductor import config
-from dash_inductor.library import check_schedule_allowed, op_options
+from dash_inductor.library.op import check_schedule_allowed, op_options
 
 #: (qualified op name, dispatch key) -> (PyTorch's kernel or None if it has none there, keyset),
 #: for every op the provider has overridden at that key.

@@ -23,9 +23,9 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from dash_inductor.library import unsupported_reason
+from dash_inductor.library.op import unsupported_reason
 
-from . import kernel_support, provider_varlen, routes
+from dash_inductor.integrations import kernel_support, provider_varlen, routes
 
 log = logging.getLogger("dash_inductor")
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dash_inductor.library import unsupported_reason
+from dash_inductor.library.op import unsupported_reason
 
-from . import kernel_support, routes
+from dash_inductor.integrations import kernel_support, routes
 
 FORWARD = "torch_attn::_varlen_attn"
 BACKWARD = "torch_attn::_varlen_attn_backward"

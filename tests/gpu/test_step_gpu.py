@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dash_inductor
-from dash_inductor import library
+from dash_inductor.library import op as library
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

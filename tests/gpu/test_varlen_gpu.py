@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dash_inductor import config, varlen
+from dash_inductor import config
+from dash_inductor.library import varlen
 from dash_inductor.ops.catalog import DETERMINISTIC
 from dash_inductor.ops.shared.launch import check_spin_flags
 from dash_inductor.testing import assert_flash_rule, low_precision_math_sdpa
-from dash_inductor.varlen import AuxRequest, varlen_attention
+from dash_inductor.library.varlen import AuxRequest, varlen_attention
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .window import NO_WINDOW, Window, check_window, with_causal
+from dash_inductor.library.window import NO_WINDOW, Window, check_window, with_causal
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Largest head dim (E and Ev) of the CUDA kernels.

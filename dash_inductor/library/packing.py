@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from dash_inductor.ops.shared import offsets
-from .shapes import MAX_HEAD_DIM, SUPPORTED_DTYPES
-from .window import NO_WINDOW, Window, check_window, dense_keep, with_causal
+from dash_inductor.library.shapes import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from dash_inductor.library.window import NO_WINDOW, Window, check_window, dense_keep, with_causal
 
 WHERE = offsets.WHERE
 

@@ -31,15 +31,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import config, reference
-from .dropout import check_p, check_state
+from dash_inductor import config
+from dash_inductor.library import reference
+from dash_inductor.library.dropout import check_p, check_state
 from dash_inductor.ops import catalog, dispatch
 from dash_inductor.ops.plan import Plan
 from dash_inductor.ops.shared.dropout import Dropout
-from . import signatures
-from .shapes import Canonical, canonicalize, empty_like_layout, unfilled
-from .signatures import uses_triton
-from .window import NO_WINDOW
+from dash_inductor.library import signatures
+from dash_inductor.library.shapes import Canonical, canonicalize, empty_like_layout, unfilled
+from dash_inductor.library.signatures import uses_triton
+from dash_inductor.library.window import NO_WINDOW
 
 #: The latest launches' plans, newest last (host-side values only: recording never syncs).
 _PLANS: collections.deque[Plan] = collections.deque(maxlen=16)

@@ -39,7 +39,7 @@ class SiteReport:
     #: Inductor, or attention that reached the joint graph with no SDPA call)
     graph: str
     #: the backward schedule baked into the rewritten call ("auto": the launcher's rule); None if
-    #: not rewritten. What actually ran is in ``dash_inductor.library.last_plans()``.
+    #: not rewritten. What actually ran is in ``dash_inductor.library.op.last_plans()``.
     schedule: str | None = None
     kernel: str | None = None  #: the kernel path baked into the rewritten call; None if not rewritten
 

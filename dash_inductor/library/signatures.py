@@ -15,7 +15,7 @@ from torch import Tensor
 
 from dash_inductor.ops import dispatch
 from dash_inductor.ops.plan import Plan
-from .shapes import Canonical, empty_like_layout
+from dash_inductor.library.shapes import Canonical, empty_like_layout
 
 _MAXSIZE = 1024  #: as the dispatcher's cache: a model has a handful of shapes per layer
 

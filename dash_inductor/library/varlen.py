@@ -20,12 +20,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import config, packing, reference, reference_varlen
-from .library import (_MAX_SPIN, check_schedule_allowed, forbid_double_backward, record,
+from dash_inductor import config
+from dash_inductor.library import packing, reference, reference_varlen
+from dash_inductor.library.op import (_MAX_SPIN, check_schedule_allowed, forbid_double_backward, record,
                       uses_triton)
 from dash_inductor.ops import dispatch
-from .shapes import check_not_nested, unfilled
-from .window import NO_WINDOW, Window, check_window, with_causal
+from dash_inductor.library.shapes import check_not_nested, unfilled
+from dash_inductor.library.window import NO_WINDOW, Window, check_window, with_causal
 
 try:
     from torch.nn.attention.varlen import AuxRequest

@@ -8,7 +8,7 @@ inputs), so the result depends only on the inputs, never on timing.
 All functions take the canonical 4-D form that ``library.py`` produces: q (B, Hq, L, E),
 k (B, Hkv, S, E), v (B, Hkv, S, Ev) with Hq a multiple of Hkv, and ``mask`` None or a bool
 (True = attend) / additive float tensor broadcastable to (B, Hq, L, S). ``window`` is a
-(left, right) sliding window (``dash_inductor/window.py``), top-left aligned like ``is_causal``.
+(left, right) sliding window (``dash_inductor/library/window.py``), top-left aligned like ``is_causal``.
 ``dropout`` is None or a ``Dropout(p, rng)``: probabilities are dropped after the softmax with the
 kernels' mask (``dropout.py``) and kept ones scaled by 1 / (1 - p), as SDPA; the logsumexp is the
 undropped one.
@@ -23,8 +23,8 @@ from torch import Tensor
 
 from dash_inductor.ops.shared.dropout import Dropout
 
-from .dropout import keep_mask
-from .window import NO_WINDOW, Window, keep
+from dash_inductor.library.dropout import keep_mask
+from dash_inductor.library.window import NO_WINDOW, Window, keep
 
 #: KV block size of the online softmax. Any value gives the same function up to rounding; a fixed
 #: one gives the same bits every time.

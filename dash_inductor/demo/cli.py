@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 import dash_inductor
-from dash_inductor.tiny_gpt import DemoConfig, chain_batch, make_model
+from dash_inductor.demo.tiny_gpt import DemoConfig, chain_batch, make_model
 
 # cuBLAS refuses deterministic mode without a fixed workspace; it must be set before cuBLAS starts.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -139,7 +139,7 @@ def recorded_sites() -> Iterator[list[Any]]:
     """
     from torch._inductor.utils import fresh_inductor_cache
 
-    from dash_inductor import rewrite
+    from dash_inductor.inductor import rewrite
 
     with rewrite.recording() as records, fresh_inductor_cache():
         yield records

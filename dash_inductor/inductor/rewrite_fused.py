@@ -17,8 +17,8 @@ from torch._inductor.pattern_matcher import MULTIPLE, CallFunctionVarArgs, Match
 from torch._inductor.pattern_matcher import register_graph_pattern
 
 from dash_inductor import config
-from dash_inductor.library import check_schedule_allowed, op_options, unsupported_reason
-from dash_inductor.sites import (DECIDED, SDPA_PARAMS, disabled_reason,
+from dash_inductor.library.op import check_schedule_allowed, op_options, unsupported_reason
+from dash_inductor.inductor.sites import (DECIDED, SDPA_PARAMS, disabled_reason,
                                  example_value, report_site)
 
 

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .problems import (LAYOUTS, MASK_KINDS, MASK_SHAPES, AttentionInputs, AttentionProblem,
+from dash_inductor.testing.problems import (LAYOUTS, MASK_KINDS, MASK_SHAPES, AttentionInputs, AttentionProblem,
                        attention_problems)
 
 __all__ = [
@@ -217,7 +217,7 @@ def tensor_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 
 def _config_state() -> dict[str, Any]:
-    from . import config
+    from dash_inductor import config
 
     return {name: value for name, value in vars(config).items()
             if name.islower() and not name.startswith("_")
@@ -259,7 +259,7 @@ def assert_process_reproducible(fn: Callable[..., Any], *args: Any, grad_seed: i
 
 def _child_main(meta_json: str) -> None:
     """Entry point of the fresh process of ``assert_process_reproducible``."""
-    from . import config
+    from dash_inductor import config
 
     meta = json.loads(meta_json)
     for name, value in meta["config"].items():

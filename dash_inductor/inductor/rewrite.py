@@ -32,10 +32,12 @@ from torch._inductor.pattern_matcher import (
     register_graph_pattern,
 )
 
-from dash_inductor import config, library, rewrite_fused, sites, unmatched
-from dash_inductor.library import op_options, unsupported_reason
-from dash_inductor.rewrite_fused import fused_patterns
-from dash_inductor.sites import (DECIDED, SDPA_PARAMS, SiteReport, disabled_reason,
+from dash_inductor import config
+from dash_inductor.library import op as library
+from dash_inductor.inductor import rewrite_fused, sites, unmatched
+from dash_inductor.library.op import op_options, unsupported_reason
+from dash_inductor.inductor.rewrite_fused import fused_patterns
+from dash_inductor.inductor.sites import (DECIDED, SDPA_PARAMS, SiteReport, disabled_reason,
                                  example_value, explain_disabled, recorders, recording,
                                  report_site, rewrite_enabled)
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import config, signatures
-from .dropout import check_p, dropout_rng
-from .library import (_backward, _forward, _grads_to_inputs, attention_backward_op, attention_op,
+from dash_inductor import config
+from dash_inductor.library import signatures
+from dash_inductor.library.dropout import check_p, dropout_rng
+from dash_inductor.library.op import (_backward, _forward, _grads_to_inputs, attention_backward_op, attention_op,
                       check_schedule_allowed, op_options, record)
-from .shapes import canonicalize, check_not_nested, check_sdpa_flags, unfilled
-from .window import NO_WINDOW, check_window
+from dash_inductor.library.shapes import canonicalize, check_not_nested, check_sdpa_flags, unfilled
+from dash_inductor.library.window import NO_WINDOW, check_window
 
 
 def _first_call(q: Tensor, k: Tensor, v: Tensor, flags: tuple, choices: tuple,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dash_inductor.sites import _site_of, call_name, report_unfused
+from dash_inductor.inductor.sites import _site_of, call_name, report_unfused
 
 #: ``node.meta["custom"]`` key of a softmax inside an attention module: (site, call, reason).
 UNFUSED = "dash_inductor_unfused"

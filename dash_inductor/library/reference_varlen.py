@@ -9,8 +9,8 @@ import math
 
 from torch import Tensor
 
-from . import packing, reference
-from .window import Window
+from dash_inductor.library import packing, reference
+from dash_inductor.library.window import Window
 
 
 def forward(query: Tensor, key: Tensor, value: Tensor, segments: list[packing.Segment],

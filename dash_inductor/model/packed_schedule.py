@@ -41,7 +41,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from dash_inductor.ops import catalog
-from dash_inductor.schedule import (Segment, Simulation, Step, WaitCycleError, item_steps,
+from dash_inductor.model.schedule import (Segment, Simulation, Step, WaitCycleError, item_steps,
                                     items_per_head, run_plans)
 
 
