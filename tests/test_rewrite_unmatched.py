@@ -69,17 +69,44 @@ def test_encoder_layer_with_mixed_masks_is_rewritten_and_matches_eager():
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_encoder_layer_dropout_is_reported_in_training(training):
+def test_encoder_layer_dropout_is_taken_in_training(training):
+    """With dropout in training the pre-grad pass takes nn.MultiheadAttention's call (its SDPA
+    call then runs dash's dropout); in eval it drops nothing and the joint pass takes it."""
     layer = encoder_layer(dropout=0.1).train(training)
     causal, padding = tutorial_masks()
     [report] = rewrite.explain(
         lambda x: layer(x, src_mask=causal, src_key_padding_mask=padding), torch.randn(2, 8, 32))
+    assert report.rewritten
+    assert report.graph == ("pre-grad" if training else "joint")
     if training:
-        assert not report.rewritten and report.graph == "pre-grad"
         assert report.call == "torch.nn.functional.multi_head_attention_forward"
-        assert report.reason.startswith("dropout_p=0.1 in training")
-    else:  # eval mode drops nothing: dash takes it
-        assert report.rewritten
+
+
+def test_compiled_encoder_layer_with_dropout_runs_dash_and_repeats_bitwise():
+    """The compiled layer's attention runs dash's forward and backward (the plans they recorded)
+    with its dropout: the same seed gives the same bits (outputs and every gradient), another
+    seed other bits."""
+    from dash_inductor.library import op
+
+    layer = encoder_layer(dropout=0.1).train()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    compiled = torch.compile(layer)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        op._PLANS.clear()
+        out = compiled(x)
+        out.square().sum().backward()
+        ran = [plan.op for plan in op.last_plans()]
+        result = [out.detach(), *(t.grad.clone() for t in (x, *layer.parameters()))]
+        for t in (x, *layer.parameters()):
+            t.grad = None
+        return result, ran
+
+    (first, ran), (again, _), (other, _) = run(0), run(0), run(1)
+    assert ran == ["forward", "backward"]
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not torch.equal(first[0], other[0])
 
 
 def test_multihead_attention_returning_weights_is_reported():

@@ -34,7 +34,7 @@ from torch._inductor.pattern_matcher import (
 
 from dash_inductor import config
 from dash_inductor.library import op as library
-from dash_inductor.inductor import rewrite_fused, sites, unmatched
+from dash_inductor.inductor import mha, rewrite_fused, sites, unmatched
 from dash_inductor.library.op import op_options, unsupported_reason
 from dash_inductor.inductor.rewrite_fused import fused_patterns
 from dash_inductor.inductor.sites import (DECIDED, SDPA_PARAMS, SiteReport, disabled_reason,
@@ -148,13 +148,20 @@ def _rewrite_sdpa_call(match: Match, *args: Any, **kwargs: Any) -> None:
 
 @register_graph_pattern(CallFunctionVarArgs(F.multi_head_attention_forward, users=MULTIPLE),
                         pass_dict=_pre_grad_patterns)
-def _report_mha_call(match: Match, *args: Any, **kwargs: Any) -> None:
-    """Report an ``nn.MultiheadAttention`` call whose SDPA call dash cannot take (or that has
-    none); one that can reaches the joint pass as a fused SDPA op."""
+def _mha_call(match: Match, *args: Any, **kwargs: Any) -> None:
+    """An ``nn.MultiheadAttention`` call: with dropout in training, point it at ``mha.py``'s
+    version, whose SDPA call dash makes; without, its fused SDPA reaches the joint pass; with
+    no SDPA call at all, report why."""
     node = match.nodes[0]
     reason = unmatched.mha_reason(node)
-    if reason is not None:
-        report_site(node, "pre-grad", reason)
+    if reason is None and not mha.drops(node):
+        return
+    choices = config.choices()
+    reason = reason or disabled_reason()
+    report_site(node, "pre-grad", reason, choices)
+    if reason is None:
+        node.target = mha.multi_head_attention_forward
+    else:
         node.meta.setdefault("custom", {})[DECIDED] = reason
 
 

@@ -2,8 +2,8 @@
 and a graph break in PyTorch's own modules that hid SDPA from them, removed.
 
 - ``nn.MultiheadAttention`` stays one node, ``F.multi_head_attention_forward``, in the pre-grad
-  graph; with ``need_weights=True`` it computes the weights with bmm and softmax and calls no SDPA,
-  and in training with dropout its SDPA call carries ``dropout_p``. The pre-grad pass reports it.
+  graph; with ``need_weights=True`` it computes the weights with bmm and softmax and calls no SDPA.
+  The pre-grad pass reports it (with dropout in training it takes it: ``mha.py``).
 - ``F._canonical_mask`` (the masks of ``nn.TransformerEncoderLayer`` and its kin) is traced
   without the graph break its deprecation warning caused, which hid the layer's SDPA call.
 - Attention written as matmul and softmax (transformers' ``attn_implementation="eager"``) that
@@ -32,8 +32,8 @@ _ATTENTION_OPS = ("scaled_dot_product", "dash.attention")
 
 
 def mha_reason(node: torch.fx.Node) -> str | None:
-    """Why the SDPA call inside this ``F.multi_head_attention_forward`` cannot be taken, or None
-    when it can (its fused SDPA then reaches the joint pass)."""
+    """Why this ``F.multi_head_attention_forward`` call has no SDPA call to take, or None when it
+    has one (taken in the joint pass, or with dropout by ``mha.py``)."""
     try:
         bound = _MHA_SIGNATURE.bind(*node.args, **node.kwargs)
     except TypeError:
@@ -43,12 +43,6 @@ def mha_reason(node: torch.fx.Node) -> str | None:
     if args["need_weights"] is True:
         return ("need_weights=True: nn.MultiheadAttention then computes the attention weights "
                 "with bmm and softmax and calls no SDPA; pass need_weights=False to get dash")
-    dropout, training = args["dropout_p"], args["training"]
-    if training is True and isinstance(dropout, (int, float)) and dropout > 0:
-        return (f"dropout_p={dropout} in training: this SDPA call is inside "
-                f"F.multi_head_attention_forward, which only the joint-graph pass sees, and that "
-                f"pass leaves dropout to SDPA (its fused forward and backward share SDPA's RNG "
-                f"state); eval mode drops nothing and is rewritten")
     return None
 
 
