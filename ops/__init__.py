@@ -1,7 +1,7 @@
 """Triton kernels of dash_inductor, their dispatcher and launchers (imported as ``dash_inductor.ops``).
 
 This layer knows Triton and tensors only: no torch.library, no autograd. The caller
-(``dash_inductor/library.py``) validates and canonicalises the inputs and allocates the outputs:
+(``dash_inductor/library/op.py``) validates and canonicalises the inputs and allocates the outputs:
 
 - ``q`` (B, Hq, L, E), ``k`` (B, Hkv, S, E), ``v`` (B, Hkv, S, Ev), any strides, one float dtype;
   ``Hq % Hkv == 0`` and query head ``h`` reads KV head ``h // (Hq // Hkv)``.

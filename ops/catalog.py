@@ -1,7 +1,7 @@
 """The backward schedules and kernel paths: their one definition, in plain Python.
 
 Everything that names a schedule or asks about one (config, launchers, the DAG model in
-``dash_inductor/schedule.py``, the benchmarks, the docs) imports it from here; the ``@triton.jit``
+``dash_inductor/model/schedule.py``, the benchmarks, the docs) imports it from here; the ``@triton.jit``
 formulas in ``ops/shared/schedules.py`` take their constexpr ids from here. No torch, no triton: this
 module sits below every other layer (docs/design.md).
 """

@@ -4,7 +4,7 @@ Program p runs work indices p, p + P, ... in order. The padded deal (``walk.work
 dense one) counts every sequence's items as if it were the longest, so index w is item
 w % per_head of (sequence, KV head) w // per_head, and the items a shorter sequence lacks are
 drawn and skipped: the programs then start a (sequence, KV head)'s items at different times, and
-under ``shift`` they wait for each other's dQ turns (``dash_inductor/packed_schedule.py``).
+under ``shift`` they wait for each other's dQ turns (``dash_inductor/model/packed_schedule.py``).
 
 The unpadded deal lists the real items only, sequences major and each (sequence, KV head)'s
 items together, the sequences with the most KV tiles first (ties in offset order): the longest

@@ -7,7 +7,7 @@ is >= p. One Philox call gives four numbers, to four consecutive rows: the count
 ``offset + ((b * H + h) * ceil(L / 4) + row // 4) * S + col``, the number is output ``row % 4``,
 and the key is the 64-bit ``seed``. Nothing in it depends on the tiling, the grid, the schedule
 or which program computes a tile, so the forward and every backward kernel draw the same mask,
-and ``dash_inductor/dropout.py`` computes it bit for bit in PyTorch.
+and ``dash_inductor/library/dropout.py`` computes it bit for bit in PyTorch.
 
 ``rng`` is the call's int64 (seed, offset) tensor, loaded on the device: a launch never reads it
 on the host. Kept values are scaled by ``1 / (1 - p)``, as SDPA's dropout does.

@@ -1,5 +1,5 @@
 """The contract of packed-sequence offsets (``cu_seq_q``, ``cu_seq_k``) and the wording of each
-breach, shared by the host check (CPU tensors, ``dash_inductor/packing.py``) and the device check
+breach, shared by the host check (CPU tensors, ``dash_inductor/library/packing.py``) and the device check
 (CUDA, ``ops/portable/packed.py``), which reports breaches as bits of an error flag. Plain Python.
 """
 

@@ -2,7 +2,7 @@
 and the rank of its dQ contribution in that Q tile's fixed reduction order.
 
 The same formulas, in plain Python with a simulator of the DAG model, live in
-``dash_inductor/schedule.py`` (the twin of this file; a test holds the two against each other).
+``dash_inductor/model/schedule.py`` (the twin of this file; a test holds the two against each other).
 The schedules' names, ids and properties are defined once, in ``ops/catalog.py``.
 The schedules follow DASH (Qiang et al., arXiv 2601.21824). Every function is closed-form integer
 arithmetic on non-negative scalars: it runs inside the kernel's inner loop.
