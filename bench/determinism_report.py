@@ -43,15 +43,15 @@ from dash_inductor import config  # noqa: E402
 from dash_inductor.ops import catalog  # noqa: E402
 from dash_inductor.pytest_plugin import deterministic_algorithms_mode  # noqa: E402
 from dash_inductor.testing import (  # noqa: E402
-    AttentionInputs,
-    AttentionProblem,
-    assert_batch_invariant,
-    assert_bitwise_reproducible,
-    assert_process_reproducible,
-    attention_problems,
-    flash_rule_errors,
-    low_precision_math_sdpa,
-)
+                                   AttentionInputs,
+                                   AttentionProblem,
+                                   assert_batch_invariant,
+                                   assert_bitwise_reproducible,
+                                   assert_process_reproducible,
+                                   attention_problems,
+                                   flash_rule_errors,
+                                   low_precision_math_sdpa,
+                                   )
 
 BF16, FP16 = torch.bfloat16, torch.float16
 #: Representative problems for the 1000-repeat check: full and causal, head dims 64/96/128, GQA

@@ -39,7 +39,7 @@ import dash_inductor  # noqa: E402
 import methods as m  # noqa: E402
 import outdir  # noqa: E402
 from dash_inductor.demo.cli import (ProgressBar, describe_sites, quiet_cache_key_warnings,  # noqa: E402
-                                 recorded_sites)
+                                    recorded_sites)
 from dash_inductor.demo.tiny_gpt import DemoConfig, make_model  # noqa: E402
 
 #: name -> (deterministic algorithms, dash_inductor.config.rewrite)

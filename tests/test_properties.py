@@ -21,16 +21,16 @@ import dash_inductor
 from dash_inductor import config, pytest_plugin
 from dash_inductor.pytest_plugin import deterministic_algorithms_mode
 from dash_inductor.testing import (
-    AttentionInputs,
-    AttentionProblem,
-    assert_batch_invariant,
-    assert_bitwise_equal,
-    assert_bitwise_reproducible,
-    assert_process_reproducible,
-    attention_problems,
-    flash_rule_errors,
-    sdpa_math_reference,
-)
+                                   AttentionInputs,
+                                   AttentionProblem,
+                                   assert_batch_invariant,
+                                   assert_bitwise_equal,
+                                   assert_bitwise_reproducible,
+                                   assert_process_reproducible,
+                                   attention_problems,
+                                   flash_rule_errors,
+                                   sdpa_math_reference,
+                                   )
 from tests._reference import reference_scores
 
 CI = settings.get_profile(pytest_plugin.CI_PROFILE)

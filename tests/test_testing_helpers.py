@@ -15,17 +15,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dash_inductor import pytest_plugin
 from dash_inductor.testing import (
-    AttentionProblem,
-    assert_batch_invariant,
-    assert_bitwise_reproducible,
-    assert_flash_rule,
-    assert_process_reproducible,
-    attention_problems,
-    flash_rule_errors,
-    low_precision_math_sdpa,
-    sdpa_math_reference,
-    tensor_digests,
-)
+                                   AttentionProblem,
+                                   assert_batch_invariant,
+                                   assert_bitwise_reproducible,
+                                   assert_flash_rule,
+                                   assert_process_reproducible,
+                                   attention_problems,
+                                   flash_rule_errors,
+                                   low_precision_math_sdpa,
+                                   sdpa_math_reference,
+                                   tensor_digests,
+                                   )
 
 CI = settings(settings.get_profile(pytest_plugin.CI_PROFILE), max_examples=15)
 

@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import (
-    MULTIPLE,
-    CallFunctionVarArgs,
-    Match,
-    PatternMatcherPass,
-    register_graph_pattern,
-)
+                                             MULTIPLE,
+                                             CallFunctionVarArgs,
+                                             Match,
+                                             PatternMatcherPass,
+                                             register_graph_pattern,
+                                             )
 
 from dash_inductor import config
 from dash_inductor.library import op as library
@@ -38,8 +38,8 @@ from dash_inductor.inductor import mha, rewrite_fused, sites, unmatched
 from dash_inductor.library.op import op_options, unsupported_reason
 from dash_inductor.inductor.rewrite_fused import fused_patterns
 from dash_inductor.inductor.sites import (DECIDED, SDPA_PARAMS, SiteReport, disabled_reason,
-                                 example_value, explain_disabled, recorders, recording,
-                                 report_site, rewrite_enabled)
+                                          example_value, explain_disabled, recorders, recording,
+                                          report_site, rewrite_enabled)
 
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
                   "enable_gqa": False}

@@ -19,7 +19,7 @@ from torch._inductor.pattern_matcher import register_graph_pattern
 from dash_inductor import config
 from dash_inductor.library.op import check_schedule_allowed, op_options, unsupported_reason
 from dash_inductor.inductor.sites import (DECIDED, SDPA_PARAMS, disabled_reason,
-                                 example_value, report_site)
+                                          example_value, report_site)
 
 
 _aten = torch.ops.aten

@@ -16,7 +16,7 @@ from dash_inductor import config
 from dash_inductor.library import signatures
 from dash_inductor.library.dropout import check_p, dropout_rng
 from dash_inductor.library.op import (_backward, _forward, _grads_to_inputs, attention_backward_op, attention_op,
-                      check_schedule_allowed, op_options, record)
+                                      check_schedule_allowed, op_options, record)
 from dash_inductor.library.shapes import canonicalize, check_not_nested, check_sdpa_flags, unfilled
 from dash_inductor.library.window import NO_WINDOW, check_window
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from dash_inductor import config
 from dash_inductor.library import packing, reference, reference_varlen
 from dash_inductor.library.op import (_MAX_SPIN, check_schedule_allowed, forbid_double_backward, record,
-                      uses_triton)
+                                      uses_triton)
 from dash_inductor.ops import dispatch
 from dash_inductor.library.shapes import check_not_nested, unfilled
 from dash_inductor.library.window import NO_WINDOW, Window, check_window, with_causal

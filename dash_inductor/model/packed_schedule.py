@@ -42,7 +42,7 @@ from collections.abc import Sequence
 
 from dash_inductor.ops import catalog
 from dash_inductor.model.schedule import (Segment, Simulation, Step, WaitCycleError, item_steps,
-                                    items_per_head, run_plans)
+                                          items_per_head, run_plans)
 
 
 def _check_deal(tiles: Sequence[int], n_heads: int, programs: int, group: int) -> None:

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dash_inductor.testing.problems import (LAYOUTS, MASK_KINDS, MASK_SHAPES, AttentionInputs, AttentionProblem,
-                       attention_problems)
+                                            attention_problems)
 
 __all__ = [
     "MASK_KINDS", "MASK_SHAPES", "LAYOUTS", "AttentionInputs", "AttentionProblem",

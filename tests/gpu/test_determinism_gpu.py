@@ -14,18 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.determinism_report import (
-    CONTROL_PROBLEMS,
-    DETERMINISTIC,
-    REPRESENTATIVE,
-    check_batch_invariance,
-    check_drawn_problem,
-    check_process,
-    check_repeats,
-    control_atomic,
-    control_sdpa,
-    control_sdpa_deterministic,
-    gpu_problems,
-)
+                                      CONTROL_PROBLEMS,
+                                      DETERMINISTIC,
+                                      REPRESENTATIVE,
+                                      check_batch_invariance,
+                                      check_drawn_problem,
+                                      check_process,
+                                      check_repeats,
+                                      control_atomic,
+                                      control_sdpa,
+                                      control_sdpa_deterministic,
+                                      gpu_problems,
+                                      )
 from dash_inductor import pytest_plugin
 
 pytestmark = [pytest.mark.gpu,
