@@ -10,27 +10,23 @@ dash's op and its ``dash::dropout_rng`` draw, as for a user's own SDPA call.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from dash_inductor.inductor.unmatched import mha_arguments
 from dash_inductor.library.entry import attention
 from dash_inductor.library.op import unsupported_reason
-
-_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
 def drops(node: torch.fx.Node) -> bool:
     """Whether this ``F.multi_head_attention_forward`` call applies attention dropout: training
     mode with ``dropout_p > 0``, both known at compile time."""
-    try:
-        bound = _MHA_SIGNATURE.bind(*node.args, **node.kwargs)
-    except TypeError:
+    args = mha_arguments(node)
+    if args is None:
         return False
-    bound.apply_defaults()
-    dropout, training = bound.arguments["dropout_p"], bound.arguments["training"]
+    dropout, training = args["dropout_p"], args["training"]
     return training is True and isinstance(dropout, (int, float)) and dropout > 0
 
 

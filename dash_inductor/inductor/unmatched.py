@@ -31,16 +31,21 @@ _SOFTMAX_FUNCTIONS = (F.softmax, torch.softmax, torch.special.softmax)
 _ATTENTION_OPS = ("scaled_dot_product", "dash.attention")
 
 
-def mha_reason(node: torch.fx.Node) -> str | None:
-    """Why this ``F.multi_head_attention_forward`` call has no SDPA call to take, or None when it
-    has one (taken in the joint pass, or with dropout by ``mha.py``)."""
+def mha_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
+    """An ``F.multi_head_attention_forward`` call's arguments by name, defaults filled in."""
     try:
         bound = _MHA_SIGNATURE.bind(*node.args, **node.kwargs)
     except TypeError:
         return None
     bound.apply_defaults()
-    args = bound.arguments
-    if args["need_weights"] is True:
+    return bound.arguments
+
+
+def mha_reason(node: torch.fx.Node) -> str | None:
+    """Why this ``F.multi_head_attention_forward`` call has no SDPA call to take, or None when it
+    has one (taken in the joint pass, or with dropout by ``mha.py``)."""
+    args = mha_arguments(node)
+    if args is not None and args["need_weights"] is True:
         return ("need_weights=True: nn.MultiheadAttention then computes the attention weights "
                 "with bmm and softmax and calls no SDPA; pass need_weights=False to get dash")
     return None
