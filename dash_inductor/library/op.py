@@ -196,6 +196,7 @@ def _attention_kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, r
                       scale=None, enable_gqa=False, window_size=NO_WINDOW, schedule="auto",
                       max_spin=_MAX_SPIN, cpu_backend="reference", kernel_path="auto"):
     choices = (schedule, max_spin, cpu_backend, kernel_path)
+    c = None
     with unfilled():
         if attn_mask is None and dropout_p == 0.0:  # validated at its signature's first call
             key = signatures.key(q, k, v, (is_causal, scale, enable_gqa, tuple(window_size)),
@@ -209,8 +210,9 @@ def _attention_kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, r
                 out, lse, plan = signature.forward(q, k, v, kernel_path)
                 record(plan)
                 return out, lse
-        c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
-                     choices, rng_state)
+        if c is None:  # not validated above (a mask, dropout)
+            c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                         window_size, choices, rng_state)
         out, lse = _forward(c, cpu_backend, kernel_path, _dropout(dropout_p, rng_state))
     return c.squeeze(out), c.squeeze(lse)
 
