@@ -35,7 +35,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(dispatch, name)
     if name == "check_spin_flags":  # raise a deferred kernel error now (tests, careful callers)
-        from .shared.launch import check_spin_flags
+        from .shared.errors import check_spin_flags
 
         return check_spin_flags
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

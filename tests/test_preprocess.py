@@ -66,9 +66,8 @@ def test_hopper_stats_accumulator_and_tickets(garbage_buffers, seq, ev, acc_dim,
     assert torch.equal(delta[:, seq:], torch.zeros_like(delta[:, seq:]))
     assert prep.dq_acc.shape == (batch * heads, rows, acc_dim)
     assert torch.equal(prep.dq_acc, torch.zeros_like(prep.dq_acc))
-    assert prep.tickets.shape == (batch * heads * rows // 64,)
+    assert prep.tickets.shape == (batch * heads * rows // 64 + preprocess.COUNTERS,)
     assert torch.equal(prep.tickets, torch.zeros_like(prep.tickets))
-    assert torch.equal(prep.flags, torch.zeros(preprocess.FLAGS, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("acc_dim", [0, 64])
@@ -85,9 +84,8 @@ def test_portable_delta_and_small_tickets(garbage_buffers, acc_dim):
         assert torch.equal(prep.dq_acc, torch.zeros_like(prep.dq_acc))
     else:
         assert prep.dq_acc is None
-    assert prep.tickets.shape == (batch * heads * acc_rows // 16,)
+    assert prep.tickets.shape == (batch * heads * acc_rows // 16 + preprocess.COUNTERS,)
     assert torch.equal(prep.tickets, torch.zeros_like(prep.tickets))
-    assert torch.equal(prep.flags, torch.zeros(preprocess.FLAGS, dtype=torch.int32))
 
 
 def test_compute_delta_alone():

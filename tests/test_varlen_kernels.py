@@ -261,6 +261,7 @@ def _compile_for_sm90() -> list[dict]:
         *args, **constexprs)
     backward.coresident_programs = lambda *args: 264
     backward.watch_spin_flag = packed.watch_spin_flag = lambda *args: None
+    packed.watch_value_flag = lambda *args: None
     cu = torch.tensor([0, 5, 75, 75, 108], dtype=torch.int32)
     q, k = torch.zeros(108, 4, 128, dtype=torch.bfloat16), torch.zeros(108, 2, 128, dtype=torch.bfloat16)
     out, lse = torch.zeros_like(q), torch.zeros(4, 108)

@@ -24,6 +24,8 @@ MAX_SIDE = 2**63 - 1
 def check_window(window_size: Sequence[int], where: str) -> Window:
     """``window_size`` as a (left, right) tuple of ints in [-1, ``MAX_SIDE``], or a ValueError
     naming it."""
+    if window_size is NO_WINDOW:  # the default, already canonical
+        return NO_WINDOW
     if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence) \
             or len(window_size) != 2:
         raise ValueError(f"{where}: window_size must be a pair (left, right), got {window_size!r}")

@@ -16,7 +16,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..plan import Plan
 from ..shared.dq_convert import convert_dq
 from ..shared.dq_pass import launch_dq_pass
-from ..shared.launch import watch_spin_flag
+from ..shared.errors import spin_flag, watch_spin_flag
 from ..shared.preprocess import compute_delta, prepare, zeroed_tickets
 from ..shared.tiles import LOG2E
 from .backward import backward_kernel
@@ -35,28 +35,37 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMAShared
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
-#: Validated TMA descriptors by (dtype, shape, strides, box), with no tensor: see _tma_descriptor.
-_TEMPLATES: dict[tuple, TensorDescriptor] = {}
+class _Address:
+    """A base address and its dtype: all that a TMA descriptor reads from its base, so that a
+    cached descriptor keeps no tensor alive."""
+
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype) -> None:
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
 
 
-def _tma_descriptor(t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...],
-                    block: tuple[int, ...]) -> TensorDescriptor:
-    """A TMA descriptor over ``t``, checked by Triton once per (dtype, shape, strides, box) and then
-    only pointed at each launch's tensor: the checks, pure Python, took more host time than the
-    launch itself. All of them but the base's 16-byte alignment depend on the key alone; the
-    callers hand over aligned tensors (``support.tma_copy``, fresh allocations)."""
-    key = (t.dtype, shape, strides, block)
-    template = _TEMPLATES.get(key)
-    if template is None:
-        if len(_TEMPLATES) >= 1024:
-            _TEMPLATES.clear()
-        template = TensorDescriptor(t, list(shape), list(strides), list(block),
-                                    _shared_layout(block, t.dtype))
-        template.base = None  # keeps no tensor alive
-        _TEMPLATES[key] = template
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(template.__dict__)
-    desc.base = t
+#: TMA descriptors by (address, dtype, shape, strides, box). A training step calls each layer
+#: with tensors the caching allocator hands out again at the same addresses, so most launches find
+#: theirs: Triton's checks of a new descriptor took more host time than the launch itself.
+_DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
+
+
+def _tma_descriptor(ptr: int, dtype: torch.dtype, shape: tuple[int, ...],
+                    strides: tuple[int, ...], block: tuple[int, ...]) -> TensorDescriptor:
+    """A TMA descriptor over the tensor at ``ptr`` (16-byte aligned: fresh allocations, and the
+    inputs that ``support.tma_copy`` made readable)."""
+    key = (ptr, dtype, shape, strides, block)
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        if len(_DESCRIPTORS) >= 4096:
+            _DESCRIPTORS.clear()
+        desc = _DESCRIPTORS[key] = TensorDescriptor(
+            _Address(ptr, dtype), list(shape), list(strides), list(block),
+            _shared_layout(block, dtype))
     return desc
 
 
@@ -66,25 +75,29 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     shape = tuple(t.shape)
     strides = tuple(stride if n > 1 else 16 // t.element_size()
                     for stride, n in zip(t.stride()[:3], shape[:3])) + (1,)
-    return _tma_descriptor(t, shape, strides, (1, 1, rows, shape[3]))
+    return _tma_descriptor(t.data_ptr(), t.dtype, shape, strides, (1, 1, rows, shape[3]))
 
 
-def _accumulator_descriptor(dq_acc: torch.Tensor | None, rows: int, head_d: int,
-                            device: torch.device) -> TensorDescriptor:
-    """A TMA descriptor over the fp32 dQ accumulator as rows of ``head_d``, for the writer's
-    [rows, head_d] reduce-adds; over a small placeholder that the kernel never touches when dQ is
-    computed apart (``dq_acc`` None)."""
-    acc = (dq_acc if dq_acc is not None
-           else torch.empty((rows, head_d), device=device, dtype=torch.float32)).view(-1, head_d)
-    return _tma_descriptor(acc, tuple(acc.shape), (head_d, 1), (rows, head_d))
+def _accumulator_descriptor(ptr: int, elements: int, rows: int, head_d: int) -> TensorDescriptor:
+    """A TMA descriptor over ``elements`` fp32 of the dQ accumulator at ``ptr`` as rows of
+    ``head_d``, for the writer's [rows, head_d] reduce-adds. Where dQ is computed apart the kernel
+    never touches it, and any aligned address serves."""
+    return _tma_descriptor(ptr, torch.float32, (max(elements // head_d, rows), head_d),
+                           (head_d, 1), (rows, head_d))
 
 
-def _row_descriptor(row: torch.Tensor, block: int) -> TensorDescriptor:
-    """A rank-1 TMA descriptor over one plane of the row stats, for ``block``-element boxes."""
-    return _tma_descriptor(row, tuple(row.shape), (1,), (block,))
+def _row_descriptors(stats: torch.Tensor, block: int) -> tuple[TensorDescriptor, ...]:
+    """Rank-1 TMA descriptors over the two fp32 planes of the row stats, for ``block``-element
+    boxes (by address: views of the planes would cost more than the descriptors)."""
+    plane = stats.shape[1]
+    ptr = stats.data_ptr()
+    return tuple(_tma_descriptor(ptr + 4 * plane * i, torch.float32, (plane,), (1,), (block,))
+                 for i in range(2))
 
 
 def _readable(tensors: tuple[torch.Tensor, ...], copies: tuple[bool, ...]) -> tuple:
+    if not any(copies):
+        return tensors
     return tuple(tma_copy(t) if copy else t for t, copy in zip(tensors, copies))
 
 
@@ -111,13 +124,13 @@ def run_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _launch(plan: Plan, views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor | None,
-            tickets: torch.Tensor, error_flag: torch.Tensor, packed: tuple | None,
+            tickets: torch.Tensor, packed: tuple | None,
             prefix: torch.Tensor | None, sizes: tuple[int, ...], scale: float, max_spin: int,
             dq: torch.Tensor | None = None) -> None:
     """One launch of the backward kernel over (B, H, N, D) ``views`` = (q, k, v, grad_out, dk,
     dv); ``sizes`` = (batch entries, L, S, Q tiles, KV tiles, rows per head of the dQ
-    accumulator, of the stats); ``dq_acc`` None when dQ is computed apart; ``tickets`` and
-    ``error_flag`` zeros; ``prefix`` the unpadded deal's (``packed_prep.py``); ``dq`` the (T, H,
+    accumulator, of the stats); ``dq_acc`` None when dQ is computed apart; ``tickets`` zeros;
+    ``prefix`` the unpadded deal's (``packed_prep.py``); ``dq`` the (T, H,
     D) gradient where the kernel converts the accumulator itself (``dq_tail.py``, its counters
     after the tickets)."""
     q, k, v, grad_out, dk, dv = views
@@ -130,13 +143,12 @@ def _launch(plan: Plan, views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor 
                             device=q.device, dtype=torch.float32)
     dk_batch, dv_batch = (0, 0) if packed else (dk.stride(0), dv.stride(0))
     dq_strides = (0, 0) if dq is None else dq.stride()[:2]
+    acc = stats if dq_acc is None else dq_acc  # stats: a placeholder the kernel never touches
     plan.launches("main", backward_kernel, plan.grid, (
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
-        _descriptor(grad_out, cfg.block_m), _row_descriptor(stats[0], cfg.block_m),
-        _row_descriptor(stats[1], cfg.block_m),
-        _accumulator_descriptor(dq_acc, cfg.block_m, q.shape[3], q.device), dk, dv,
-        stats if dq_acc is None else dq_acc, dk if dq is None else dq, stash, tickets,
-        error_flag, cu_q, cu_k, tickets if prefix is None else prefix,
+        _descriptor(grad_out, cfg.block_m), *_row_descriptors(stats, cfg.block_m),
+        _accumulator_descriptor(acc.data_ptr(), acc.numel(), cfg.block_m, q.shape[3]), dk, dv,
+        acc, dk if dq is None else dq, stash, tickets, spin_flag(q.device), cu_q, cu_k, tickets if prefix is None else prefix,
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2), *dq_strides,
         q.shape[1], k.shape[1], *sizes[1:5], max_q, max_k, *sizes[5:], *spec["window"],
         per_head, total_items,
@@ -156,11 +168,11 @@ def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     # A misaligned view, or the stride-0 gradient of out.sum(): same values, new layout.
     q, k, v, grad_out = _readable((q, k, v, grad_out), spec["copies"])
     rows = n_q * cfg.block_n
-    stats, dq_acc, tickets, flags = prepare(
+    stats, dq_acc, tickets = prepare(
         out, grad_out, lse, row_stride=rows, acc_rows=rows,
         acc_dim=0 if schedule.separate_dq else q.shape[3], ticket_rows=cfg.block_m,
         with_lse2=True, clear_acc=spec["clear_acc"], launches=plan.launches)
-    _launch(plan, (q, k, v, grad_out, dk, dv), stats, dq_acc, tickets, flags[:1], None, None,
+    _launch(plan, (q, k, v, grad_out, dk, dv), stats, dq_acc, tickets, None, None,
             (batch, seq_q, seq_k, n_q, n_kv, rows, rows), scale, max_spin)
     if spec["zero_tail"]:  # keys after the last query tile: no causal query sees them
         dk[:, :, rows:].zero_()
@@ -173,7 +185,7 @@ def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     else:
         convert_dq(plan.launches, dq_acc, dq)
     if schedule.ordered:
-        watch_spin_flag(flags[:1], f"{spec['shape']}, schedule {schedule.name!r}")
+        watch_spin_flag(spin_flag(q.device), plan)
 
 
 def run_varlen_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -205,9 +217,9 @@ def run_varlen_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: 
         with_prefix=spec["constexprs"]["UNPADDED"],
         keyless_rows=dq_acc if schedule.ordered else None, launches=plan.launches)
     in_kernel = spec["constexprs"]["TAIL_CONVERT"]
-    tickets, flags = zeroed_tickets(hq * tq + spec["counters"], q.device)
+    tickets = zeroed_tickets(hq * tq + spec["counters"], q.device)
     dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
-    _launch(plan, (q4, k4, v4, do4, dk4, dv4), stats, dq_acc, tickets, flags[:1], packed,
+    _launch(plan, (q4, k4, v4, do4, dk4, dv4), stats, dq_acc, tickets, packed,
             prefix, (num_seqs, tq, tk, n_q, n_kv, tq, stats_stride), scale, max_spin,
             dq=dq if in_kernel else None)
     if schedule.separate_dq:
@@ -221,4 +233,4 @@ def run_varlen_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: 
     elif not in_kernel:
         convert_dq(plan.launches, dq_acc, dq.transpose(0, 1).unsqueeze(0))
     if schedule.ordered:
-        watch_spin_flag(flags[:1], f"{spec['shape']}, schedule {schedule.name!r}")
+        watch_spin_flag(spin_flag(q.device), plan)

@@ -38,8 +38,9 @@ from ..shared.device import head_dim_bucket
 from ..shared.dq_convert import convert_dq
 from ..shared.dq_pass import launch_dq_pass, load_row_stats
 from ..shared.dropout import Dropout, kernel_args, keep_t, load_state
+from ..shared.errors import spin_flag, watch_spin_flag
 from ..shared.launch import (coresident_programs, cooperative_launch_supported, dot_precision,
-                             interpreting, mask_kind, watch_spin_flag)
+                             interpreting, mask_kind)
 from ..shared.preprocess import prepare
 from ..shared.tickets import add_in_turn, release_last
 from ..shared.tiles import KERNEL_LOG2E, LOG2E, load_rows, mm, sequence_tiles, window_keep
@@ -250,14 +251,15 @@ def _main_args(tensors: tuple, packed: tuple | None, sizes: tuple[int, ...],
                window: tuple[int, int], scale: float, max_spin: int,
                dropout: Dropout | None = None) -> tuple:
     """The main kernel's positional arguments. ``tensors`` = (q, k, v, grad_out, lse, delta, mask,
-    dk, dv, dq accumulator or None, tickets, flags) as (B, H, L, D) views; ``sizes`` = (L, S,
+    dk, dv, dq accumulator or None, tickets and the work counter after them) as (B, H, L, D) views; ``sizes`` = (L, S,
     Q tiles, KV tiles, items per head, items)."""
-    q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets, flags = tensors
+    q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets = tensors
     mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
     cu_q, cu_k, max_q, max_k = packed or (tickets, tickets, 0, 0)
     rng, drop_threshold, drop_scale = kernel_args(dropout, tickets)
     return (q, k, v, grad_out, lse, delta, mask_t, dk, dv,
-            dq_acc if dq_acc is not None else delta, tickets, flags[:1], flags[1:], cu_q, cu_k, rng,
+            dq_acc if dq_acc is not None else delta, tickets, spin_flag(q.device), tickets[-1:],
+            cu_q, cu_k, rng,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *mask_strides,
             *dk.stride(), *dv.stride(), q.shape[1], k.shape[1], *sizes[:4], max_q, max_k,
             scale * LOG2E, scale, max_spin, *window, *sizes[4:], drop_threshold, drop_scale)
@@ -270,7 +272,7 @@ def capacity(constexprs: dict[str, object], views: tuple, packed: tuple | None,
     q, k, v, grad_out, lse, mask, dk, dv = views
     scratch = torch.empty((16,), device=q.device, dtype=torch.float32)
     counters = torch.empty((16,), device=q.device, dtype=torch.int32)
-    tensors = (q, k, v, grad_out, lse, scratch, mask, dk, dv, scratch, counters, counters)
+    tensors = (q, k, v, grad_out, lse, scratch, mask, dk, dv, scratch, counters)
     dropout = None
     if constexprs["DROPOUT"]:  # a state of the real dtype: the same binary as the launch's
         dropout = Dropout(0.5, torch.zeros((2,), device=q.device, dtype=torch.int64))
@@ -288,11 +290,11 @@ def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     cfg, spec, schedule = plan.config, plan.spec, plan.schedule
     batch, hq, seq_q, e = q.shape
     n_q = spec["sizes"][2]
-    delta, dq_acc, tickets, flags = prepare(
+    delta, dq_acc, tickets = prepare(
         out, grad_out, lse, row_stride=seq_q, acc_rows=n_q * cfg.block_n,
         acc_dim=0 if schedule.separate_dq else head_dim_bucket(e), ticket_rows=cfg.block_m,
         with_lse2=False, launches=plan.launches)
-    launch_main(plan, (q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets, flags),
+    launch_main(plan, (q, k, v, grad_out, lse, delta, mask, dk, dv, dq_acc, tickets),
                 None, scale, max_spin, dropout)
     if spec["zero_tail"]:  # keys after the last query tile: no causal query sees them
         dk[:, :, n_q * cfg.block_n:].zero_()
@@ -303,7 +305,7 @@ def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     else:
         convert_dq(plan.launches, dq_acc.view(batch * hq, n_q * cfg.block_n, -1), dq)
     if schedule.ordered and not interpreting():
-        watch_spin_flag(flags[:1], f"{spec['shape']}, schedule {schedule.name!r}")
+        watch_spin_flag(spin_flag(q.device), plan)
 
 
 def launch_main(plan: Plan, tensors: tuple, packed: tuple | None, scale: float,

@@ -11,8 +11,8 @@ The backward runs the Hopper kernel instead (``ops/hopper/``, the same virtual b
 dispatcher picks it; the forward is always the portable one.
 
 On CUDA a one-program kernel checks the offsets' contract (``ops/shared/offsets.py``) and raises
-through the launches' error flags (``launch.watch_spin_flag``): asynchronously, at a later launch
-or ``launch.check_spin_flags``. The kernels treat a sequence whose bounds break the contract as
+through a flag of its own (``errors.watch_value_flag``): asynchronously, at a later launch or
+``errors.check_spin_flags``. The kernels treat a sequence whose bounds break the contract as
 empty, so they never touch memory outside the tensors meanwhile.
 """
 
@@ -27,7 +27,8 @@ from ..shared import offsets
 from ..shared.device import head_dim_bucket
 from ..shared.dq_convert import convert_dq
 from ..shared.dq_pass import launch_dq_pass
-from ..shared.launch import Launches, interpreting, watch_spin_flag
+from ..shared.errors import spin_flag, watch_spin_flag, watch_value_flag
+from ..shared.launch import Launches, interpreting
 from ..shared.preprocess import compute_delta, zeroed_tickets
 from .backward import launch_main
 from .forward import launch_forward
@@ -78,7 +79,7 @@ def check_offsets(launches: Launches, cu_seq_q: torch.Tensor, cu_seq_k: torch.Te
     if cu_seq_q.device.type != "cuda":
         return
     flag = offsets_flag(launches, cu_seq_q, cu_seq_k, totals, max_lens)
-    watch_spin_flag(flag, lambda code: ValueError(offsets.device_breach(code, totals, max_lens)))
+    watch_value_flag(flag, lambda code: ValueError(offsets.device_breach(code, totals, max_lens)))
 
 
 def virtual(t: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -136,9 +137,9 @@ def run_varlen_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: 
     dq_acc = None
     if not schedule.separate_dq:
         dq_acc = torch.zeros((hq, tq, head_dim_bucket(e)), device=q.device, dtype=torch.float32)
-    tickets, flags = zeroed_tickets(hq * tq, q.device)
+    tickets = zeroed_tickets(hq * tq, q.device)
     packed = (cu_seq_q, cu_seq_k, max_q, max_k)
-    launch_main(plan, (q4, k4, v4, do4, lse, delta, None, dk4, dv4, dq_acc, tickets, flags),
+    launch_main(plan, (q4, k4, v4, do4, lse, delta, None, dk4, dv4, dq_acc, tickets),
                 packed, scale, max_spin)
     if schedule.separate_dq:
         launch_dq_pass(plan.launches, q4, k4, v4, do4, lse, delta, None, dq4,
@@ -147,4 +148,4 @@ def run_varlen_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: 
     else:
         convert_dq(plan.launches, dq_acc, dq.transpose(0, 1).unsqueeze(0))
     if schedule.ordered and not interpreting():
-        watch_spin_flag(flags[:1], f"{spec['shape']}, schedule {schedule.name!r}")
+        watch_spin_flag(spin_flag(q.device), plan)

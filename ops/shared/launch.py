@@ -1,5 +1,4 @@
-"""Launch helpers: bound kernels, dot precision, mask kinds, co-resident grid size, and the
-spin-error flag.
+"""Launch helpers: bound kernels, dot precision, mask kinds and the co-resident grid size.
 
 The ordered dQ reduction makes programs wait for each other, which is only safe when every program
 that can be waited on is running. The persistent grid is therefore sized from the compiled kernel's
@@ -156,79 +155,3 @@ def warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-#: Watched launches: (the flag's pinned host copy as an array, event after the copy, the device,
-#: what to raise).
-_PENDING: list[tuple[object, "torch.cuda.Event", int, str | Callable[[int], Exception]]] = []
-#: Pinned flags (tensor, array view) and events of launches already looked at, by device, for
-#: reuse: allocating them anew was a visible part of a backward call's host time.
-_FREE: dict[int, list[tuple[torch.Tensor, object, "torch.cuda.Event"]]] = {}
-#: Stream objects by (device, raw stream): ``torch.cuda.current_stream()`` builds one in Python
-#: at each call, which cost more than the copy it orders.
-_STREAMS: dict[tuple[int, int], "torch.cuda.Stream"] = {}
-
-
-def _spin_error(what: str) -> RuntimeError:
-    return RuntimeError(
-        f"dash attention backward: an ordered dQ wait exceeded max_spin for {what}; the "
-        "programs of one head were probably not co-resident. The gradients are invalid. "
-        "Use schedule='recompute', which never waits.")
-
-
-def check_spin_flags(wait: bool = False) -> None:
-    """Raise for an earlier backward whose bounded dQ wait gave up (its gradients are invalid), or
-    for another watched flag that was set (e.g. packed offsets that break their contract).
-
-    Looks only at launches the GPU has finished, so it never blocks the host, unless ``wait``:
-    then it waits for every watched launch (tests, and callers that want the answer now).
-    """
-    if not _PENDING:
-        return
-    failed, pending = None, []
-    for entry in _PENDING:
-        host_flag, done, device, what = entry
-        if wait:
-            done.synchronize()
-        if done.query():
-            value = int(host_flag[1][0])
-            if failed is None and value != 0:
-                failed = what, value
-            _FREE.setdefault(device, []).append((*host_flag, done))
-        else:
-            pending.append(entry)
-    _PENDING[:] = pending
-    if failed is not None:
-        what, code = failed
-        raise what(code) if callable(what) else _spin_error(what)
-
-
-def _current_stream(device: int) -> "torch.cuda.Stream":
-    key = (device, torch._C._cuda_getCurrentRawStream(device))
-    stream = _STREAMS.get(key)
-    if stream is None:
-        if len(_STREAMS) >= 64:
-            _STREAMS.clear()
-        stream = _STREAMS[key] = torch.cuda.current_stream(device)
-    return stream
-
-
-def watch_spin_flag(error_flag: torch.Tensor, what: str | Callable[[int], Exception]) -> None:
-    """Check a launch's error flag without a host sync: copy it to pinned host memory on the
-    stream and look at it once the GPU is past it (:func:`check_spin_flags`, run by every backward
-    launch). ``what`` names the launch in the spin error, or makes the error from the flag's
-    nonzero value. Under CUDA-graph capture the flag stays on the device, unwatched, and earlier
-    flags are not looked at either (querying an event is not allowed while a stream captures)."""
-    if torch.cuda.is_current_stream_capturing():
-        return
-    check_spin_flags()
-    device = error_flag.device.index or 0
-    free = _FREE.get(device)
-    if free:
-        host_flag, array, done = free.pop()
-    else:
-        host_flag = torch.empty((1,), dtype=torch.int32, pin_memory=True)
-        array, done = host_flag.numpy(), torch.cuda.Event()
-    host_flag.copy_(error_flag, non_blocking=True)
-    done.record(_current_stream(device))
-    _PENDING.append(((host_flag, array), done, device, what))

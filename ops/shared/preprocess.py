@@ -5,7 +5,7 @@ backward's term shared by every KV tile of a row; for the Hopper kernel also the
 exp2 domain beside it (the load warp brings both rows in by TMA, padded rows included); and the
 zeros the main kernel accumulates into: the block's rows of the fp32 dQ accumulator (unless the
 kernel stores each row's first partial, as the Hopper kernel's ordered dQ writer does), its dQ
-tickets and the launch's two flags. FlashAttention-3's preprocess clears its dQ accumulator the
+tickets and the work counter after them. FlashAttention-3's preprocess clears its dQ accumulator the
 same way.
 One launch instead of a kernel and half a dozen fills matters because a training step at N = 4k
 waits on the backward's host time (docs/benchmarks.md).
@@ -23,9 +23,8 @@ from .device import head_dim_bucket
 from .launch import Launches
 from .tiles import exp2_logsumexp
 
-#: The flags after the tickets: the spin-error flag the launcher watches, and the work counter
-#: of the portable kernel's dynamic deal.
-FLAGS = 2
+#: Counters after the tickets: the work counter of the portable kernel's dynamic deal.
+COUNTERS = 1
 #: Rows a program of the preprocess covers (or a ticket's rows, if more).
 BLOCK = 64
 
@@ -44,14 +43,14 @@ def _preprocess_kernel(O, DO, LSE, STATS, DQACC, TICKETS,
                        HQ, L, row_stride, plane, acc_rows, n_tickets,
                        EV: tl.constexpr, HEAD_EV: tl.constexpr, BLOCK_M: tl.constexpr,
                        WITH_LSE2: tl.constexpr, HEAD_ACC: tl.constexpr, CLEAR: tl.constexpr,
-                       TICKET_ROWS: tl.constexpr, N_FLAGS: tl.constexpr):
+                       TICKET_ROWS: tl.constexpr, N_COUNTERS: tl.constexpr):
     """Program (r, bh): rows [r * BLOCK_M, (r + 1) * BLOCK_M) of head bh.
 
     STATS holds delta by rows of ``row_stride`` (rows past L: 0); WITH_LSE2, the exp2-domain
     logsumexp first (rows past L: +inf, so P = 0 there) and delta ``plane`` elements later.
     CLEAR: zero this block's DQACC rows (HEAD_ACC wide, ``acc_rows`` a head; none when
     HEAD_ACC is 0), its tickets (one per TICKET_ROWS rows, which divides BLOCK_M) and, in
-    program (0, 0), the N_FLAGS flags after the ``n_tickets`` tickets.
+    program (0, 0), the N_COUNTERS counters after the ``n_tickets`` tickets.
     """
     pid_bh = tl.program_id(1)
     block = tl.program_id(0)
@@ -82,18 +81,18 @@ def _preprocess_kernel(O, DO, LSE, STATS, DQACC, TICKETS,
         tl.store(TICKETS + pid_bh * (acc_rows // TICKET_ROWS) + first,
                  tl.zeros([PER_BLOCK], tl.int32), mask=first * TICKET_ROWS < acc_rows)
         if (block == 0) & (pid_bh == 0):
-            tl.store(TICKETS + n_tickets + tl.arange(0, N_FLAGS), tl.zeros([N_FLAGS], tl.int32))
+            tl.store(TICKETS + n_tickets + tl.arange(0, N_COUNTERS),
+                     tl.zeros([N_COUNTERS], tl.int32))
 
 
 class Prepared(NamedTuple):
     """What :func:`prepare` made: ``stats`` (delta, or the exp2 logsumexp and delta), the zeroed
-    dQ accumulator (None when the schedule has none), the zeroed tickets, and the zeroed flags
-    (spin error, work counter), a view of the tickets' buffer."""
+    dQ accumulator (None when the schedule has none), and the zeroed tickets followed by the
+    :data:`COUNTERS` zeroed counters, in one buffer (kernels index past the tickets: no views)."""
 
     stats: torch.Tensor
     dq_acc: torch.Tensor | None
     tickets: torch.Tensor
-    flags: torch.Tensor
 
 
 def prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, *, row_stride: int,
@@ -106,7 +105,7 @@ def prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, *, row
     (2, B * Hq * row_stride)); a dQ accumulator (B * Hq, ``acc_rows``, ``acc_dim``, a power of
     two) unless ``acc_dim`` is 0, zeroed unless not ``clear_acc`` (for a kernel that writes every
     row it reads back); a ticket per ``ticket_rows`` (a power of two) of ``acc_rows``, then
-    :data:`FLAGS` flags.
+    :data:`COUNTERS` counters.
     """
     batch, hq, seq_q, ev = out.shape
     heads, device = batch * hq, out.device
@@ -116,23 +115,22 @@ def prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, *, row
     if acc_dim:
         dq_acc = torch.empty((heads, acc_rows, acc_dim), device=device, dtype=torch.float32)
     n_tickets = heads * (acc_rows // ticket_rows)
-    buffer = torch.empty((n_tickets + FLAGS,), device=device, dtype=torch.int32)
+    buffer = torch.empty((n_tickets + COUNTERS,), device=device, dtype=torch.int32)
     block = max(BLOCK, ticket_rows)
     launches("prepare", _preprocess_kernel, (triton.cdiv(max(row_stride, acc_rows), block), heads), (
         out, grad_out, lse, stats, buffer if dq_acc is None else dq_acc, buffer,
         *out.stride(), *grad_out.stride(), hq, seq_q, row_stride, heads * row_stride, acc_rows,
         n_tickets), dict(EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=block, WITH_LSE2=with_lse2,
                          HEAD_ACC=acc_dim if clear_acc else 0, CLEAR=True, TICKET_ROWS=ticket_rows,
-                         N_FLAGS=FLAGS))
+                         N_COUNTERS=COUNTERS))
     stats = stats if with_lse2 else stats.view(heads, row_stride)
-    return Prepared(stats, dq_acc, buffer[:n_tickets], buffer[n_tickets:])
+    return Prepared(stats, dq_acc, buffer)
 
 
-def zeroed_tickets(count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``count`` zeroed tickets, the :data:`FLAGS` zeroed flags after them) in one buffer, the
-    layout :func:`prepare` writes, for the packed paths, whose tickets follow packed rows."""
-    buffer = torch.zeros((count + FLAGS,), device=device, dtype=torch.int32)
-    return buffer[:count], buffer[count:]
+def zeroed_tickets(count: int, device: torch.device) -> torch.Tensor:
+    """``count`` zeroed tickets and the :data:`COUNTERS` zeroed counters after them, the layout
+    :func:`prepare` writes, for the packed paths, whose tickets follow packed rows."""
+    return torch.zeros((count + COUNTERS,), device=device, dtype=torch.int32)
 
 
 def compute_delta(out: torch.Tensor, grad_out: torch.Tensor, launches: Launches) -> torch.Tensor:
@@ -143,5 +141,5 @@ def compute_delta(out: torch.Tensor, grad_out: torch.Tensor, launches: Launches)
     launches("delta", _preprocess_kernel, (triton.cdiv(seq_q, BLOCK), batch * hq), (
         out, grad_out, delta, delta, delta, delta, *out.stride(), *grad_out.stride(), hq, seq_q,
         seq_q, 0, 0, 0), dict(EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=BLOCK, WITH_LSE2=False,
-                              HEAD_ACC=0, CLEAR=False, TICKET_ROWS=BLOCK, N_FLAGS=FLAGS))
+                              HEAD_ACC=0, CLEAR=False, TICKET_ROWS=BLOCK, N_COUNTERS=COUNTERS))
     return delta

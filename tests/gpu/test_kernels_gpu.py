@@ -16,7 +16,7 @@ from dash_inductor.ops import attention_backward, attention_forward
 from dash_inductor.ops import catalog
 from dash_inductor.ops.catalog import DETERMINISTIC, ORDERED
 from dash_inductor.ops.hopper.config import HEAD_DIMS
-from dash_inductor.ops.shared.launch import check_spin_flags
+from dash_inductor.ops.shared.errors import LOOK_EVERY, check_spin_flags
 from dash_inductor.pytest_plugin import deterministic_algorithms_mode
 from dash_inductor.testing import assert_flash_rule, sdpa_math_reference
 
@@ -156,6 +156,18 @@ def test_exceeded_spin_bound_raises():
         _ours(q, k, v, do, False, "ascending", max_spin=1)
         check_spin_flags(wait=True)
     _close_to_recompute(q, k, v, do, False, "ascending")  # the next call is unaffected
+
+
+def test_exceeded_spin_bound_raises_at_a_later_backward():
+    """Without a check of its own, a failed wait is raised by a later ordered backward, once the
+    host has looked at the device's flag (every ``LOOK_EVERY`` watched launches)."""
+    q, k, v, do = _inputs(2, 16, 16, 4096, 64, seed=5)
+    with pytest.raises(RuntimeError, match="max_spin.*schedule 'ascending'"):
+        _ours(q, k, v, do, False, "ascending", max_spin=1)
+        for _ in range(2 * LOOK_EVERY + 1):
+            torch.cuda.synchronize()  # the look lands before the next call
+            _ours(q, k, v, do, False, "ascending")
+    check_spin_flags(wait=True)  # cleared by the raise
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])

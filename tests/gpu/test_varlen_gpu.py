@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dash_inductor import config
 from dash_inductor.library import varlen
 from dash_inductor.ops.catalog import DETERMINISTIC
-from dash_inductor.ops.shared.launch import check_spin_flags
+from dash_inductor.ops.shared.errors import check_spin_flags
 from dash_inductor.testing import assert_flash_rule, low_precision_math_sdpa
 from dash_inductor.library.varlen import AuxRequest, varlen_attention
 
