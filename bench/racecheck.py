@@ -449,7 +449,7 @@ def _imports() -> None:
     import dash_inductor
 
     try:
-        from dash_inductor.ops.shared.launch import check_spin_flags
+        from dash_inductor.ops.shared.errors import check_spin_flags
     except ImportError:
         check_spin_flags = None
 
