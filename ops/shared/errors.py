@@ -15,6 +15,7 @@ captured kernels still raise the sticky flag when replayed, which the next look 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -34,7 +35,7 @@ class _SpinFlag:
     __slots__ = ("flag", "host", "array", "done", "in_flight", "since", "plans")
 
     def __init__(self, device: torch.device) -> None:
-        self.flag = torch.zeros((1,), device=device, dtype=torch.int32)
+        self.flag = _outside_graph_pools(device)
         self.host = torch.empty((1,), dtype=torch.int32, pin_memory=True)
         self.array, self.done = self.host.numpy(), torch.cuda.Event()
         self.in_flight, self.since, self.plans = False, 0, []
@@ -49,6 +50,32 @@ class _SpinFlag:
         if wait:
             self.done.synchronize()
         return self.done.query()
+
+
+def _outside_graph_pools(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 flag made by a thread of its own: a CUDA-graph tree's warm-up routes this
+    thread's allocations into the tree's pool, which must hold no tensor that outlives its graphs.
+    The current stream waits for the zeroing (an event, no host sync)."""
+    made: list = []
+
+    def make() -> None:
+        try:
+            with torch.cuda.device(device):
+                flag, zeroed = (torch.zeros((1,), device=device, dtype=torch.int32),
+                                torch.cuda.Event())
+                zeroed.record()
+                made.append((flag, zeroed))
+        except BaseException as error:  # raised again in the calling thread
+            made.append(error)
+
+    thread = threading.Thread(target=make, name="dash-spin-flag")
+    thread.start()
+    thread.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    flag, zeroed = made[0]
+    torch.cuda.current_stream(device).wait_event(zeroed)
+    return flag
 
 
 #: Sticky flags by device index.

@@ -18,6 +18,7 @@ from torch import nn
 
 import dash_inductor
 from dash_inductor.library import op as library
+from dash_inductor.ops.shared import errors
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -109,3 +110,13 @@ def test_a_compiled_step_never_synchronises_and_graphs_give_the_same_bits(packed
     graph_losses, graph_weights = _train(packed, "reduce-overhead")
     assert torch.equal(losses, graph_losses)
     assert all(torch.equal(a, b) for a, b in zip(weights, graph_weights))
+
+
+def test_a_first_backward_under_cuda_graph_trees_leaves_nothing_in_their_pool(monkeypatch):
+    """The device's spin flag, made at its first backward, outlives every graph: made during a
+    graph tree's warm-up it must not come from the tree's pool (whose check raises on a tensor
+    it did not return)."""
+    monkeypatch.setattr(errors, "_SPIN", {})
+    losses, _ = _train(False, "reduce-overhead")
+    assert torch.isfinite(losses).all() and errors._SPIN
+    errors.check_spin_flags(wait=True)
