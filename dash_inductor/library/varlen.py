@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,13 +28,27 @@ from dash_inductor.ops import dispatch
 from dash_inductor.library.shapes import check_not_nested, unfilled
 from dash_inductor.library.window import NO_WINDOW, Window, check_window, with_causal
 
-try:
+if TYPE_CHECKING:
     from torch.nn.attention.varlen import AuxRequest
-except ImportError:  # a PyTorch without varlen_attn
-    class AuxRequest(NamedTuple):  # type: ignore[no-redef]
-        """Which auxiliary outputs ``varlen_attention`` returns (as PyTorch's)."""
 
-        lse: bool = False
+
+class _AuxRequest(NamedTuple):
+    """Which auxiliary outputs ``varlen_attention`` returns (as PyTorch's, for a PyTorch without
+    ``varlen_attn``)."""
+
+    lse: bool = False
+
+
+def __getattr__(name: str) -> Any:
+    """``AuxRequest``: PyTorch's, imported on first use, as its module imports Dynamo (seconds)."""
+    if name != "AuxRequest":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from torch.nn.attention.varlen import AuxRequest
+    except ImportError:  # a PyTorch without varlen_attn
+        return _AuxRequest
+    return AuxRequest
+
 
 _CHOICES = ('str schedule="auto", SymInt max_spin=67108864, str cpu_backend="reference", '
             'str kernel_path="auto"')
