@@ -8,7 +8,7 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    # Must precede the first import of triton (dash_inductor imports it through Inductor): Triton
+    # Must precede the first import of triton (by dash's first launch, or by Inductor): Triton
     # decides at import whether its own library functions run in the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -150,8 +150,7 @@ def _rewrite_status() -> str:
         from dash_inductor.inductor import rewrite
     except Exception as error:  # report why the pass cannot load, whatever it is
         return f"the Inductor pass cannot be imported ({type(error).__name__}: {error})"
-    installed = rewrite.PRE_GRAD_PASS.installed and rewrite.JOINT_PASS.installed
-    return ("Inductor pass installed" if installed else
+    return ("Inductor pass installed" if rewrite.installed() else
             "Inductor pass not installed (call dash_inductor.enable())")
 
 

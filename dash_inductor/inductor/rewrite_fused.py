@@ -1,10 +1,11 @@
 """The joint-graph pass: SDPA that Inductor itself fused, swapped for dash.attention's ops.
 
 Inductor's fuse_attention turns hand-written attention (matmul, scale, softmax, matmul) into SDPA
-only on the joint graph, where the pre-grad pass (``rewrite.py``) can no longer see it; so do the
-SDPA calls inside ops that Dynamo keeps opaque (``nn.MultiheadAttention``). This pass replaces each
-fused SDPA forward, and the fused backward that reads it, by ``dash.attention`` and
-``dash.attention_backward``, with the backward choices (``config.CHOICES``) in force at compile time.
+only on the joint graph, where the pre-grad pass (``rewrite_sdpa.py``) can no longer see it; so
+do the SDPA calls inside ops that Dynamo keeps opaque (``nn.MultiheadAttention``). This pass
+replaces each fused SDPA forward, and the fused backward that reads it, by ``dash.attention`` and
+``dash.attention_backward``, with the backward choices (``config.CHOICES``) in force at compile
+time. Imported when the pass first runs (``passes.py``), as ``rewrite_sdpa.py`` is.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch._inductor.pattern_matcher import register_graph_pattern
 
 from dash_inductor import config
 from dash_inductor.library.op import check_schedule_allowed, op_options, unsupported_reason
+from dash_inductor.inductor import unmatched
 from dash_inductor.inductor.sites import (DECIDED, SDPA_PARAMS, disabled_reason,
                                           example_value, report_site)
 
@@ -152,3 +154,9 @@ def _erase_with_outputs(node: torch.fx.Node) -> None:
             node.graph.erase_node(user)
     if not node.users:
         node.graph.erase_node(node)
+
+
+def joint(graph: torch.fx.Graph) -> None:
+    """The joint-graph pass: report tagged softmax Inductor did not fuse, then swap fused SDPA."""
+    unmatched.report_unfused_softmax(graph)
+    fused_patterns.apply(graph)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -104,9 +105,9 @@ def report_unfused_softmax(graph: torch.fx.Graph) -> None:
             report_unfused(site, call, reason)
 
 
-@torch.compiler.assume_constant_result
 def _warn_once_traced(message: str) -> None:
-    """Dynamo runs this while tracing, so the warning is given once per compile, not per call."""
+    """Dynamo runs this while tracing (a constant result: see below), so the warning is given
+    once per compile, not per call."""
     warnings.warn(message, UserWarning)
 
 
@@ -131,8 +132,9 @@ def _canonical_mask(mask: torch.Tensor | None, mask_name: str, other_type: torch
 _polyfilled: list[bool] = []
 
 
-def canonical_mask_without_graph_break() -> None:
-    """Have Dynamo trace ``F._canonical_mask`` through the version above (once per process).
+def canonical_mask_without_graph_break(_dynamo: ModuleType) -> None:
+    """Have Dynamo trace ``F._canonical_mask`` through the version above (once per process, when
+    Dynamo is imported: telling Dynamo imports it, which takes seconds).
 
     ``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer`` and ``nn.MultiheadAttention``
     canonicalise their masks with it, and it warns when a padding mask and an attention mask differ
@@ -145,6 +147,7 @@ def canonical_mask_without_graph_break() -> None:
     if _polyfilled or original is None:
         return
     _polyfilled.append(True)
+    torch.compiler.assume_constant_result(_warn_once_traced)
     try:
         torch.compiler.substitute_in_graph(original)(_canonical_mask)
     except (TypeError, ValueError):

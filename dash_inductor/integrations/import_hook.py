@@ -66,12 +66,27 @@ class _Finder(importlib.abc.MetaPathFinder):
         self.callback(module)
 
 
+def _waiting(name: str, callback: Callback) -> list[_Finder]:
+    return [f for f in sys.meta_path
+            if isinstance(f, _Finder) and (f.name, f.callback) == (name, callback)]
+
+
 def after_import(name: str, callback: Callback) -> None:
     """Call ``callback(module)`` once ``name`` is imported: now if it already is, else on import."""
     module = sys.modules.get(name)
     if module is not None:
         callback(module)
         return
-    if not any(isinstance(f, _Finder) and (f.name, f.callback) == (name, callback)
-               for f in sys.meta_path):
+    if not _waiting(name, callback):
         sys.meta_path.insert(0, _Finder(name, callback))
+
+
+def waiting(name: str, callback: Callback) -> bool:
+    """Whether ``callback`` waits for the import of ``name`` (registered, not yet called)."""
+    return bool(_waiting(name, callback))
+
+
+def cancel(name: str, callback: Callback) -> None:
+    """Drop ``callback`` if it still waits for the import of ``name``."""
+    for finder in _waiting(name, callback):
+        sys.meta_path.remove(finder)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import collections
 import logging
+from types import ModuleType
 
 import torch
+
+from dash_inductor.integrations.import_hook import after_import
 
 log = logging.getLogger("dash_inductor")
 
@@ -22,10 +25,6 @@ counts: collections.Counter[tuple[str, str | None]] = collections.Counter()
 _logged: set[tuple[str, str]] = set()
 
 
-# Under torch.compile Dynamo runs this at trace time and keeps no guard on the counts (reading them
-# in traced code made Dynamo guard on their value and recompile every step): compiled code counts
-# each routing decision once per trace, as a captured CUDA graph counts once per capture.
-@torch.compiler.assume_constant_result
 def record(integration: str, reason: str | None) -> None:
     """Count one call of ``integration`` (under torch.compile: one per trace); log a fallback
     reason the first time it is seen."""
@@ -34,6 +33,17 @@ def record(integration: str, reason: str | None) -> None:
         return
     _logged.add((integration, reason))
     log.info("dash_inductor: %s fell back to PyTorch's attention: %s", integration, reason)
+
+
+def _constant_under_dynamo(_dynamo: ModuleType) -> None:
+    """Under torch.compile Dynamo runs ``record`` at trace time and keeps no guard on the counts
+    (reading them in traced code made Dynamo guard on their value and recompile every step):
+    compiled code counts each routing decision once per trace, as a captured CUDA graph counts
+    once per capture. Marked when Dynamo is imported, as marking imports it (seconds)."""
+    torch.compiler.assume_constant_result(record)
+
+
+after_import("torch._dynamo", _constant_under_dynamo)
 
 
 def dash_calls(integration: str) -> int:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dash_inductor.ops.shared.dropout import ROWS_PER_CALL, threshold
-
 _MASK32 = 0xFFFFFFFF
 _ROUND = (0xD2511F53, 0xCD9E8D57)  # Philox4x32 multipliers (M0, M1)
 _WEYL = (0x9E3779B9, 0xBB67AE85)  # key increments per round
@@ -92,6 +90,9 @@ def keep_mask(rng_state: Tensor, dropout_p: float, shape: tuple[int, int, int, i
               cols: slice = slice(None)) -> Tensor:
     """The bool keep mask of a (B, H, L, S) problem at keys ``cols`` (a step-1 slice), on
     ``rng_state``'s device, without reading the state on the host."""
+    # Imported at use: that module also holds the kernels' Triton functions.
+    from dash_inductor.ops.shared.dropout import ROWS_PER_CALL, threshold
+
     batch, heads, rows, keys = shape
     start, stop, _ = cols.indices(keys)
     device = rng_state.device

@@ -18,7 +18,9 @@ reserve ``kernel``) is a keyword-only argument of both ops, so it is captured wh
 runs and saved for the backward. What each launch ran is kept in ``last_plans()``.
 
 ``dash_inductor.attention`` (``entry.py``) calls these ops, or, for an eager call on plain CUDA
-tensors, the same library functions through a lean ``torch.autograd.Function``.
+tensors, the same library functions through a lean ``torch.autograd.Function``. The dispatcher
+(``dash_inductor.ops.dispatch``, which imports Triton and the kernels) is imported at the first
+launch, not with the package.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import collections
 import math
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -34,13 +37,15 @@ from torch import Tensor
 from dash_inductor import config
 from dash_inductor.library import reference
 from dash_inductor.library.dropout import check_p, check_state
-from dash_inductor.ops import catalog, dispatch
+from dash_inductor.ops import catalog
 from dash_inductor.ops.plan import Plan
-from dash_inductor.ops.shared.dropout import Dropout
 from dash_inductor.library import signatures
 from dash_inductor.library.shapes import Canonical, canonicalize, empty_like_layout, unfilled
 from dash_inductor.library.signatures import uses_triton
 from dash_inductor.library.window import NO_WINDOW
+
+if TYPE_CHECKING:
+    from dash_inductor.ops.shared.dropout import Dropout
 
 #: The latest launches' plans, newest last (host-side values only: recording never syncs).
 _PLANS: collections.deque[Plan] = collections.deque(maxlen=16)
@@ -72,7 +77,11 @@ def check_schedule_allowed(schedule: str) -> None:
 
 
 def _dropout(dropout_p: float, rng_state: Tensor | None) -> Dropout | None:
-    return Dropout(dropout_p, rng_state) if dropout_p else None
+    if not dropout_p:
+        return None
+    from dash_inductor.ops.shared.dropout import Dropout
+
+    return Dropout(dropout_p, rng_state)
 
 
 def _allocate_forward(c: Canonical) -> tuple[Tensor, Tensor]:
@@ -97,6 +106,8 @@ def _forward(c: Canonical, cpu_backend: str, kernel_path: str,
         out.zero_()
         lse.fill_(-math.inf)
     elif uses_triton(c.q, cpu_backend):
+        from dash_inductor.ops import dispatch
+
         _PLANS.append(dispatch.attention_forward(c.q, c.k, c.v, c.mask, out, lse,
                                                  is_causal=c.is_causal, scale=c.scale,
                                                  kernel=kernel_path, window=c.window,
@@ -119,6 +130,8 @@ def _backward(c: Canonical, do4: Tensor, out4: Tensor, lse4: Tensor, schedule: s
         for g in grads:
             g.zero_()
     elif uses_triton(c.q, cpu_backend):
+        from dash_inductor.ops import dispatch
+
         _PLANS.append(dispatch.attention_backward(
             do4, c.q, c.k, c.v, out4, lse4, c.mask, *grads, is_causal=c.is_causal, scale=c.scale,
             schedule=schedule, max_spin=max_spin, kernel=kernel_path, window=c.window,

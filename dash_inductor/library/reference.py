@@ -17,14 +17,16 @@ undropped one.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from dash_inductor.ops.shared.dropout import Dropout
-
 from dash_inductor.library.dropout import keep_mask
 from dash_inductor.library.window import NO_WINDOW, Window, keep
+
+if TYPE_CHECKING:
+    from dash_inductor.ops.shared.dropout import Dropout
 
 #: KV block size of the online softmax. Any value gives the same function up to rounding; a fixed
 #: one gives the same bits every time.

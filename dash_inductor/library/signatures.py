@@ -5,7 +5,8 @@ backward). A step calls each attention layer with the same shapes again and agai
 call (no mask, inputs already the kernels' 4-D views, a Triton path) this module keys the
 dispatcher's plans by the caller's q, k, v, flags and choices instead, and knows how to allocate
 the outputs, so a repeated call allocates and launches without validating or planning again.
-Both public entries use it: the eager ``autograd.Function`` and the op's kernels.
+Both public entries use it: the eager ``autograd.Function`` and the op's kernels. The dispatcher
+(Triton and the kernels) is imported by a signature's first launch, not with the package.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dash_inductor.ops import dispatch
 from dash_inductor.ops.plan import Plan
 from dash_inductor.library.shapes import Canonical, empty_like_layout
 
@@ -50,6 +50,8 @@ class Signature:
                else empty_like_layout(q, (*form.q_shape[:3], form.v_shape[3])))
         lse = q.new_empty(form.q_shape[:3], dtype=torch.float32)
         if plan is None:
+            from dash_inductor.ops import dispatch
+
             plan = self.forward_plan = dispatch.attention_forward(
                 q, k, v, None, out, lse, is_causal=form.is_causal, scale=form.scale,
                 kernel=kernel, window=form.window)
@@ -68,6 +70,8 @@ class Signature:
         dq, dk, dv = (torch.empty_like(t) if dense else empty_like_layout(t, tuple(t.shape))
                       for t, dense in zip((q, k, v), self.dense))
         if plan is None:
+            from dash_inductor.ops import dispatch
+
             plan = self.backward_plans[layout] = dispatch.attention_backward(
                 grad_out, q, k, v, out, lse, None, dq, dk, dv, is_causal=form.is_causal,
                 scale=form.scale, schedule=schedule, max_spin=max_spin, kernel=kernel,

@@ -8,14 +8,14 @@ sequence is computed alone: on the reference by ``reference_varlen.py``; on the 
 whose programs read the offsets on the device and work on one sequence each (the backward of a
 named ordered schedule on the Hopper kernel, ``ops/hopper/``); with ``kernel="hopper"`` by one
 launch of the dense kernels per sequence (the Hopper forward takes no offsets). So a sequence's outputs and gradients are the same bits whatever is packed beside it,
-under every schedule.
+under every schedule. The dispatcher (Triton and the kernels) is imported at the first launch.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,17 +24,30 @@ from dash_inductor import config
 from dash_inductor.library import packing, reference, reference_varlen
 from dash_inductor.library.op import (_MAX_SPIN, check_schedule_allowed, forbid_double_backward, record,
                                       uses_triton)
-from dash_inductor.ops import dispatch
 from dash_inductor.library.shapes import check_not_nested, unfilled
 from dash_inductor.library.window import NO_WINDOW, Window, check_window, with_causal
 
-try:
+if TYPE_CHECKING:
     from torch.nn.attention.varlen import AuxRequest
-except ImportError:  # a PyTorch without varlen_attn
-    class AuxRequest(NamedTuple):  # type: ignore[no-redef]
-        """Which auxiliary outputs ``varlen_attention`` returns (as PyTorch's)."""
 
-        lse: bool = False
+
+class _AuxRequest(NamedTuple):
+    """Which auxiliary outputs ``varlen_attention`` returns (as PyTorch's, for a PyTorch without
+    ``varlen_attn``)."""
+
+    lse: bool = False
+
+
+def __getattr__(name: str) -> Any:
+    """``AuxRequest``: PyTorch's, imported on first use, as its module imports Dynamo (seconds)."""
+    if name != "AuxRequest":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from torch.nn.attention.varlen import AuxRequest
+    except ImportError:  # a PyTorch without varlen_attn
+        return _AuxRequest
+    return AuxRequest
+
 
 _CHOICES = ('str schedule="auto", SymInt max_spin=67108864, str cpu_backend="reference", '
             'str kernel_path="auto"')
@@ -80,7 +93,7 @@ def _varlen_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, win
 def _per_sequence(query: Tensor, kernel_path: str) -> bool:
     """Whether the Triton path launches per sequence, reading the offsets on the host: only where
     the Hopper path is named (its forward takes no offsets); ``auto`` runs the packed kernels."""
-    return kernel_path == dispatch.HOPPER
+    return kernel_path == "hopper"
 
 
 def _segments(query: Tensor, key: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int,
@@ -97,6 +110,8 @@ def _segments(query: Tensor, key: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, ma
 def _per_sequence_forward(query: Tensor, key: Tensor, value: Tensor, segments, scale: float,
                           window: Window, out: Tensor, lse: Tensor, kernel_path: str) -> None:
     """One dense forward launch per sequence, writing through views of the packed outputs."""
+    from dash_inductor.ops import dispatch
+
     for seg in segments:
         lq = seg.q1 - seg.q0
         if lq == 0:
@@ -130,6 +145,8 @@ def _varlen_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, w
         _per_sequence_forward(query, key, value, segments, _scale(query, scale), window, out, lse,
                               kernel_path)
     else:
+        from dash_inductor.ops import dispatch
+
         kernel_window, causal = with_causal(window, False)
         record(dispatch.varlen_forward(
             query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, out, lse, is_causal=causal,
@@ -165,6 +182,8 @@ def _varlen_backward_fake(grad_out, query, key, value, out, logsumexp, cu_seq_q,
 def _per_sequence_backward(grad_out, query, key, value, out, lse, segments, scale, window, grads,
                            schedule, max_spin, kernel_path) -> None:
     """One dense backward launch per sequence, writing through views of the packed gradients."""
+    from dash_inductor.ops import dispatch
+
     for seg in segments:
         if seg.q1 == seg.q0 or seg.k1 == seg.k0:
             continue
@@ -204,6 +223,8 @@ def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_
                                _scale(query, scale), window, grads, schedule, max_spin,
                                kernel_path)
     else:
+        from dash_inductor.ops import dispatch
+
         kernel_window, causal = with_causal(window, False)
         record(dispatch.varlen_backward(
             grad_out, query, key, value, out, logsumexp, cu_seq_q, cu_seq_k, max_q, max_k,
