@@ -176,8 +176,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                        DK_IN_FLIGHT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                        NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
                        HANDOFF_THREADS: gl.constexpr, VISIT_HEADS: gl.constexpr,
-                       VISITS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
-                       CLAIMED: gl.constexpr, num_warps: gl.constexpr):
+                       UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr, CLAIMED: gl.constexpr,
+                       num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -199,16 +199,15 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
     offs_kd = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
     it = 0
     tile = 0
-    works = walk.work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED)
+    w = walk.start(items_per_head, total_items, HKV, PREFIX, L, S, n_q, n_kv, CU_Q, CU_K, max_q,
+                   max_k, work_slots, work_ready, work_empty, BLOCK_N, CAUSAL, WINDOW, VARLEN,
+                   SCHEDULE, NUM_SLOTS, GROUP, VISIT_HEADS, UNPADDED, CLAIMED)
     work = gl.program_id(0)
     claim = 0
-    while work < works:
-        b, hkv, item = walk.work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED)
-        q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
-            b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
-        for visit in range(VISITS):
-            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, VISIT_HEADS)
-            kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
+    while work < w.works:
+        b, hkv, item, q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = w.item(work)
+        for visit in range(w.VISITS):
+            slot, g_lo, g_hi, kv = w.visit(visit, item, tiles_kv)
             if kv >= 0:
                 cols = kv * BLOCK_N + offs_n
                 if VARLEN:
@@ -261,8 +260,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                     _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb,
                                  stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                                  sm_scale, offs_kn, offs_kd, dtype)
-        work = deal.next_work(work, claim, work_slots, work_ready, work_empty, CLAIMED,
-                              num_warps)
+        work = w.next(work, claim, num_warps)
         claim += 1
     if TAIL_CONVERT:  # out of items: convert the finished rows while the others compute
         dq_tail.convert_tail(DQACC, DQ, FINISHED, ERR, CU_Q, PREFIX, stride_dqt, stride_dqh, HQ,
@@ -320,9 +318,6 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     HANDOFF_THREADS: gl.constexpr = 32 * num_warps + 32
     gl.static_assert(not NAMED_HANDOFF or DQ_STAGES <= LAST_NAMED_BARRIER - 1,
                      "one named barrier per dQ buffer, above the two of the warp specialization")
-    # KV tile visits per work item (``walk.visit_heads``): one per slot and VISIT_HEADS query
-    # heads (the whole group: one per slot).
-    VISITS: gl.constexpr = NUM_SLOTS * (GROUP // VISIT_HEADS)
     # Packed, after the tickets: the deal's claim counter (CLAIMED), then each (sequence, KV
     # head)'s finished items (TAIL_CONVERT, ``dq_tail.py``).
     CLAIMS = TICKETS + HQ * row_stride
@@ -369,14 +364,14 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                               qk_scale, sm_scale, max_spin,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, HANDOFF_THREADS,
-                              VISIT_HEADS, VISITS, UNPADDED, TAIL_CONVERT, CLAIMED, num_warps)),
+                              VISIT_HEADS, UNPADDED, TAIL_CONVERT, CLAIMED, num_warps)),
         (load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            work_slots, work_ready, work_empty, CLAIMS, ERR, max_spin, CU_Q,
                            CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q, max_k,
                            stats_stride, win_left, win_right, items_per_head, total_items,
                            GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, WINDOW, VARLEN, VISIT_HEADS,
-                           VISITS, UNPADDED, CLAIMED)),
+                           UNPADDED, CLAIMED)),
         (dq_writer_partition, (dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slots,
                                work_ready, work_empty, DQACC, TICKETS,
                                FINISHED, ERR, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q,
@@ -384,5 +379,5 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                                total_items, max_spin, GROUP, CAUSAL, SCHEDULE, NUM_SLOTS,
                                BLOCK_N, COMPUTE_DQ, ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA, WRITER_FREES,
                                DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS, VISIT_HEADS,
-                               VISITS, UNPADDED, TAIL_CONVERT, CLAIMED)),
+                               UNPADDED, TAIL_CONVERT, CLAIMED)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

@@ -8,7 +8,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from . import deal, dq_tail, walk
+from . import dq_tail, walk
 from .primitives import (LAST_NAMED_BARRIER, await_count, named_barrier_sync, partition_barrier,
                          red_add, red_add_rows, tma_add, tma_store, tma_writes_performed)
 
@@ -33,7 +33,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slot
                         VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
                         PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
                         HANDOFF_THREADS: gl.constexpr, VISIT_HEADS: gl.constexpr,
-                        VISITS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
+                        UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
                         CLAIMED: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
     TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
@@ -42,8 +42,8 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slot
     previous step's with PREVIOUS_STAGE (dK in flight), else the partial's own (one arrive a
     step fewer for them, each of which costs them two barriers). NAMED_HANDOFF: the partial
     comes on a named barrier of HANDOFF_THREADS threads, else on the ``dq_ready`` mbarrier.
-    An item visits its KV tiles once per VISIT_HEADS query heads (``walk.visit_heads``), VISITS
-    times in all. TAIL_CONVERT: count each finished item in FINISHED (``dq_tail.py``).
+    An item visits its KV tiles once per VISIT_HEADS query heads (``walk.visit_heads``).
+    TAIL_CONVERT: count each finished item in FINISHED (``dq_tail.py``).
     CLAIMED: the items after the program's first come from the load partition (``deal.py``).
 
     Ordered, the first rank of every partial stores it instead of adding it, so DQACC need not
@@ -64,16 +64,15 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slot
     offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
     it = 0
-    works = walk.work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED)
+    w = walk.start(items_per_head, total_items, HKV, PREFIX, L, S, n_q, n_kv, CU_Q, CU_K, max_q,
+                   max_k, work_slots, work_ready, work_empty, BLOCK_N, CAUSAL, WINDOW, VARLEN,
+                   SCHEDULE, NUM_SLOTS, GROUP, VISIT_HEADS, UNPADDED, CLAIMED)
     work = gl.program_id(0)
     claim = 0
-    while work < works:
-        b, hkv, item = walk.work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED)
-        q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
-            b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
-        for visit in range(VISITS):
-            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, VISIT_HEADS)
-            kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
+    while work < w.works:
+        b, hkv, item, q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = w.item(work)
+        for visit in range(w.VISITS):
+            slot, g_lo, g_hi, kv = w.visit(visit, item, tiles_kv)
             if kv >= 0:
                 first, count = walk.q_range(kv, tiles_q, BLOCK_N, win_left, win_right, CAUSAL,
                                             WINDOW)
@@ -150,5 +149,5 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slot
                             it += 1
         if TAIL_CONVERT:  # every add of the item is performed and released
             dq_tail.item_finished(FINISHED, b, hkv, HKV)
-        work = deal.next_work(work, claim, work_slots, work_ready, work_empty, CLAIMED, 1)
+        work = w.next(work, claim, 1)
         claim += 1

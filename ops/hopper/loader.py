@@ -8,8 +8,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from ..shared import schedules as sch
-from . import deal, walk
+from . import walk
 from .primitives import tma_load
 
 
@@ -66,23 +65,22 @@ def load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs
                     stats_stride, win_left, win_right, items_per_head, total_items,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
-                    VISIT_HEADS: gl.constexpr, VISITS: gl.constexpr, UNPADDED: gl.constexpr,
+                    VISIT_HEADS: gl.constexpr, UNPADDED: gl.constexpr,
                     CLAIMED: gl.constexpr):
     """CLAIMED: claims its program's items after the first (``deal.claim_work``)."""
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     it = 0
     tile = 0
-    works = walk.work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED)
+    w = walk.start(items_per_head, total_items, HKV, PREFIX, L, S, n_q, n_kv, CU_Q, CU_K, max_q,
+                   max_k, work_slots, work_ready, work_empty, BLOCK_N, CAUSAL, WINDOW, VARLEN,
+                   SCHEDULE, NUM_SLOTS, GROUP, VISIT_HEADS, UNPADDED, CLAIMED)
     work = gl.program_id(0)
     claim = 0
-    while work < works:
-        b, hkv, item = walk.work_head(work, items_per_head, total_items, HKV, PREFIX, UNPADDED)
-        q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = walk.sequence_tiles(
-            b, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k, BLOCK_N, CAUSAL or WINDOW, VARLEN)
+    while work < w.works:
+        b, hkv, item, q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = w.item(work)
         batch = walk.tma_batch(b, VARLEN)
-        for visit in range(VISITS):
-            slot, g_lo, g_hi = walk.visit_heads(visit, NUM_SLOTS, GROUP, VISIT_HEADS)
-            kv = walk.slot_tile(item, slot, tiles_kv, CAUSAL, SCHEDULE)
+        for visit in range(w.VISITS):
+            slot, g_lo, g_hi, kv = w.visit(visit, item, tiles_kv)
             if kv >= 0:
                 it, tile = _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                                       q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem,
@@ -90,7 +88,5 @@ def load_partition(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs
                                       g_hi, batch, q_start, k_start, q_lo, q_hi,
                                       tiles_q, tiles_kv, HQ, stats_stride, win_left, win_right, it,
                                       tile, GROUP, CAUSAL, SCHEDULE, WINDOW, VARLEN)
-        head_end = work - item + sch.items_in_head(tiles_kv, CAUSAL, SCHEDULE)
-        work = deal.claim_work(work, head_end, claim, CLAIMS, ERR, max_spin, work_slots,
-                               work_ready, work_empty, CLAIMED)
+        work = w.claim(work, item, tiles_kv, claim, CLAIMS, ERR, max_spin)
         claim += 1

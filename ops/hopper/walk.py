@@ -1,9 +1,10 @@
 """The Hopper backward's walk over its work, shared by the kernel's three partitions.
 
 Each partition (loader, compute, dQ writer) walks the same items, KV tiles and steps on its own, so
-all three must agree on every count and skip: they do, by calling these functions with the same
-arguments. The schedules' formulas are those of the portable kernel (``ops/shared/schedules.py``), and
-so are the geometry of packed sequences and windows (``ops/portable/backward.py``; ``ops/shared/tiles.py``):
+all three must agree on every count and skip: they do, by running the one loop of ``Walk`` over
+their program's items and calling these functions with the same arguments. The schedules'
+formulas are those of the portable kernel (``ops/shared/schedules.py``), and so are the geometry
+of packed sequences and windows (``ops/portable/backward.py``; ``ops/shared/tiles.py``):
 
 - a work item of sequence ``b`` (VARLEN: the virtual batch of ``ops/portable/packed.py``) counts its tiles
   from that sequence's bounds; causal and windows are aligned bottom-right by shifting the tile
@@ -20,6 +21,7 @@ from triton.experimental.gluon import language as gl
 
 from ..shared import schedules as sch
 from ..shared import tiles
+from . import deal
 from .packed_prep import stats_start
 
 
@@ -106,6 +108,108 @@ def visit_heads(visit, NUM_SLOTS: gl.constexpr, GROUP: gl.constexpr, VISIT_HEADS
     else:
         result = (visit, 0 * visit, 0 * visit + GROUP)
     return result
+
+
+#: A scalar argument of the kernel: Triton's launcher passes an int equal to 1 as a constexpr.
+_Int = gl.tensor | gl.constexpr
+
+
+@gluon.aggregate
+class Walk:
+    """The loop over a program's work items, the same in its three partitions (``start``)::
+
+        w = walk.start(...)
+        work = gl.program_id(0)  # every deal starts at the program's index
+        claim = 0
+        while work < w.works:
+            b, hkv, item, q_start, ..., tiles_kv = w.item(work)
+            for visit in range(w.VISITS):
+                slot, g_lo, g_hi, kv = w.visit(visit, item, tiles_kv)
+                if kv >= 0:
+                    ...
+            work = w.next(work, claim, NUM_WARPS)  # the load partition: w.claim(work, ...)
+            claim += 1
+
+    The cursor (work, claim) stays in the partition: creating or stepping it in a jitted helper
+    added debug-scope labels to the PTX, on which ptxas allocated and scheduled differently.
+    """
+    items_per_head: _Int
+    total_items: _Int
+    HKV: _Int
+    PREFIX: gl.tensor
+    L: _Int
+    S: _Int
+    n_q: _Int
+    n_kv: _Int
+    CU_Q: gl.tensor
+    CU_K: gl.tensor
+    max_q: _Int
+    max_k: _Int
+    works: _Int
+    slots: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    BLOCK_N: gl.constexpr
+    CAUSAL: gl.constexpr
+    WINDOW: gl.constexpr
+    VARLEN: gl.constexpr
+    SCHEDULE: gl.constexpr
+    NUM_SLOTS: gl.constexpr
+    GROUP: gl.constexpr
+    VISIT_HEADS: gl.constexpr
+    VISITS: gl.constexpr
+    UNPADDED: gl.constexpr
+    CLAIMED: gl.constexpr
+
+    @gluon.jit
+    def item(self, work):
+        """(b, KV head, item) of work index ``work`` (``work_head``), then its sequence's
+        (q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles of Q, tiles of KV) (``sequence_tiles``)."""
+        b, hkv, item = work_head(work, self.items_per_head, self.total_items, self.HKV,
+                                 self.PREFIX, self.UNPADDED)
+        q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv = sequence_tiles(
+            b, self.L, self.S, self.n_q, self.n_kv, self.CU_Q, self.CU_K, self.max_q,
+            self.max_k, self.BLOCK_N, self.CAUSAL or self.WINDOW, self.VARLEN)
+        return b, hkv, item, q_start, k_start, q_lo, q_hi, k_lo, k_hi, tiles_q, tiles_kv
+
+    @gluon.jit
+    def visit(self, visit, item, tiles_kv):
+        """(slot, first query head, last query head + 1, KV tile or -1: none) of ``item``'s
+        ``visit``-th visit of a KV tile (``visit_heads``, ``slot_tile``)."""
+        slot, g_lo, g_hi = visit_heads(visit, self.NUM_SLOTS, self.GROUP, self.VISIT_HEADS)
+        kv = slot_tile(item, slot, tiles_kv, self.CAUSAL, self.SCHEDULE)
+        return slot, g_lo, g_hi, kv
+
+    @gluon.jit
+    def next(self, work, claim, NUM_WARPS: gl.constexpr):
+        """The compute or writer partition's work index after ``work``, its ``claim``-th step
+        (``deal.next_work``)."""
+        return deal.next_work(work, claim, self.slots, self.ready, self.empty, self.CLAIMED,
+                              NUM_WARPS)
+
+    @gluon.jit
+    def claim(self, work, item, tiles_kv, claim, CLAIMS, ERR, max_spin):
+        """The load partition's work index after ``work`` (``item`` of a sequence of ``tiles_kv``
+        KV tiles), its ``claim``-th step (``deal.claim_work``: past the item's head)."""
+        head_end = work - item + sch.items_in_head(tiles_kv, self.CAUSAL, self.SCHEDULE)
+        return deal.claim_work(work, head_end, claim, CLAIMS, ERR, max_spin, self.slots,
+                               self.ready, self.empty, self.CLAIMED)
+
+
+@gluon.jit
+def start(items_per_head, total_items, HKV, PREFIX, L, S, n_q, n_kv, CU_Q, CU_K, max_q, max_k,
+          slots, ready, empty, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+          WINDOW: gl.constexpr, VARLEN: gl.constexpr, SCHEDULE: gl.constexpr,
+          NUM_SLOTS: gl.constexpr, GROUP: gl.constexpr, VISIT_HEADS: gl.constexpr,
+          UNPADDED: gl.constexpr, CLAIMED: gl.constexpr):
+    """A partition's ``Walk`` from the kernel's arguments; ``slots``, ``ready`` and ``empty`` are
+    the claimed deal's ring (``deal.py``). An item visits its KV tiles once per slot and
+    VISIT_HEADS query heads (``visit_heads``)."""
+    works = work_count(total_items, items_per_head, HKV, PREFIX, UNPADDED)
+    return Walk(items_per_head, total_items, HKV, PREFIX, L, S, n_q, n_kv, CU_Q, CU_K, max_q,
+                max_k, works, slots, ready, empty, BLOCK_N, CAUSAL, WINDOW, VARLEN, SCHEDULE,
+                NUM_SLOTS, GROUP, VISIT_HEADS, NUM_SLOTS * (GROUP // VISIT_HEADS), UNPADDED,
+                CLAIMED)
 
 
 @gluon.jit
