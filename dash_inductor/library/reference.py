@@ -45,6 +45,14 @@ def _kv_for_query_heads(t: Tensor, n_query_heads: int) -> Tensor:
     return t[:, :, None].expand(b, h_kv, group, s, d).reshape(b, n_query_heads, s, d)
 
 
+def _operands(acc: torch.dtype, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors in the accumulation dtype and contiguous (B, H, N, D), whatever their layout:
+    torch.matmul folds a strided batch of one (a model's (B, N, H, D) projections, permuted)
+    without a copy and a larger one with a copy, and the two products round differently, so a
+    sample's bits would depend on the batch size."""
+    return tuple(t.to(acc).contiguous() for t in tensors)
+
+
 def _scores(q: Tensor, k_block: Tensor, mask: Tensor | None, is_causal: bool, scale: float,
             start: int, window: Window) -> Tensor:
     """Scaled scores of all queries against keys [start, start + block), with masking applied.
@@ -93,8 +101,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
     """
     acc = accumulation_dtype(q.dtype)
     b, h, l, _ = q.shape
-    qa = q.to(acc)
-    ka, va = _kv_for_query_heads(k, h).to(acc), _kv_for_query_heads(v, h).to(acc)
+    qa, ka, va = _operands(acc, q, _kv_for_query_heads(k, h), _kv_for_query_heads(v, h))
     mask = _expand_mask(mask, (b, h, l, k.shape[-2]))
     row_max = torch.full((b, h, l, 1), -math.inf, dtype=acc, device=q.device)
     row_sum = torch.zeros((b, h, l, 1), dtype=acc, device=q.device)
@@ -136,11 +143,11 @@ def _blocked_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     acc = accumulation_dtype(q.dtype)
     b, h, l, _ = q.shape
     s_len = k.shape[-2]
-    qa, doa = q.to(acc), grad_out.to(acc)
-    ka, va = _kv_for_query_heads(k, h).to(acc), _kv_for_query_heads(v, h).to(acc)
+    qa, doa, ka, va, outa = _operands(acc, q, grad_out, _kv_for_query_heads(k, h),
+                                      _kv_for_query_heads(v, h), out)
     mask = _expand_mask(mask, (b, h, l, s_len))
     lse = lse.to(acc)
-    delta = (doa * out.to(acc)).sum(dim=-1, keepdim=True)
+    delta = (doa * outa).sum(dim=-1, keepdim=True)
     dq = torch.zeros_like(qa)
     dk = torch.zeros_like(ka)
     dv = torch.zeros_like(va)
