@@ -23,6 +23,7 @@ import triton.language as tl  # noqa: E402
 
 import dash_inductor  # noqa: E402
 from dash_inductor import config  # noqa: E402
+from dash_inductor.library import reference  # noqa: E402
 from dash_inductor.library.dropout import keep_mask, philox  # noqa: E402
 from dash_inductor.ops import attention_backward, attention_forward, rules  # noqa: E402
 from dash_inductor.ops.catalog import NAMES  # noqa: E402
@@ -73,6 +74,15 @@ def test_keep_rate_is_within_four_standard_errors(p):
     mask = keep_mask(_state("cpu"), p, (4, 4, 64, 64))
     n = mask.numel()
     assert abs(mask.double().mean().item() - (1 - p)) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+@pytest.mark.parametrize("rows", [slice(0, 8), slice(5, 30), slice(33, 37), slice(36, 37)])
+def test_keep_mask_of_some_rows_is_those_rows_of_the_whole_mask(rows):
+    """The reference draws a query block's rows alone, from any row (not only a Philox call's
+    first), and gets the whole mask's bits."""
+    shape, cols = (2, 3, 37, 45), slice(7, 40)
+    whole = keep_mask(_state("cpu"), 0.3, shape)
+    assert torch.equal(keep_mask(_state("cpu"), 0.3, shape, cols, rows), whole[:, :, rows, cols])
 
 
 def test_keep_mask_depends_on_every_coordinate_and_state():
@@ -162,6 +172,21 @@ def test_op_gradients_match_a_float64_reference_with_the_same_mask(backend, case
     grads = torch.autograd.grad(out, inputs, grad_out)
     want = _explicit_grads(q, k, v, grad_out, Dropout(0.2, rng), is_causal=kwargs["is_causal"],
                            mask=None if mask is None else mask.expand(2, 2, 21, 33))
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+def test_reference_blocks_draw_their_part_of_the_mask():
+    """Causal GQA over several query blocks: each block draws its own rows and keys of the mask."""
+    gen = torch.Generator().manual_seed(8)
+    rows = 2 * reference.BLOCK_M + 7
+    q = torch.randn(1, 4, rows, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, rows, 16, generator=gen, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(1, 4, rows, 16, generator=gen)
+    rng = _state("cpu")
+    out = torch.ops.dash.attention(q, k, v, None, 0.2, True, rng, enable_gqa=True)[0]
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    want = _explicit_grads(q, k, v, grad_out, Dropout(0.2, rng), is_causal=True)
     for got, ref in zip(grads, want):
         torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
 

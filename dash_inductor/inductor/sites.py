@@ -72,12 +72,10 @@ def disabled_reason() -> str | None:
     return None
 
 
-#: What the rewrite buys and costs on a CPU, said once: measured on a 2-core CPU (torch 2.13,
-#: float32, (1, 16, 1024, 64) causal GQA 4:1, forward+backward), SDPA took 0.31-0.39 s and dash's
-#: reference 2.9-4.5 s, and both repeated their bits, at 1 and 2 threads alike.
+#: What the rewrite buys and costs on a CPU, said once (docs/rewrite.md has the measurement).
 CPU_NOTE = ("on the CPU, dash.attention runs its PyTorch reference: reproducible run to run, and "
-            "about 10x slower than PyTorch's own CPU attention, which is reproducible there too; "
-            "dash_inductor.config.rewrite = 'off' keeps SDPA")
+            "about 1.5x the time of PyTorch's own CPU attention, which is reproducible there "
+            "too; dash_inductor.config.rewrite = 'off' keeps SDPA")
 _cpu_noted: list[bool] = []
 
 

@@ -87,20 +87,24 @@ def philox(seed: Tensor, counter: Tensor) -> tuple[Tensor, Tensor, Tensor, Tenso
 
 
 def keep_mask(rng_state: Tensor, dropout_p: float, shape: tuple[int, int, int, int],
-              cols: slice = slice(None)) -> Tensor:
-    """The bool keep mask of a (B, H, L, S) problem at keys ``cols`` (a step-1 slice), on
-    ``rng_state``'s device, without reading the state on the host."""
+              cols: slice = slice(None), rows: slice = slice(None)) -> Tensor:
+    """The bool keep mask of a (B, H, L, S) problem at queries ``rows`` and keys ``cols`` (step-1
+    slices), on ``rng_state``'s device, without reading the state on the host."""
     # Imported at use: that module also holds the kernels' Triton functions.
     from dash_inductor.ops.shared.dropout import ROWS_PER_CALL, threshold
 
-    batch, heads, rows, keys = shape
+    batch, heads, n_rows, keys = shape
     start, stop, _ = cols.indices(keys)
+    row0, row1, _ = rows.indices(n_rows)
+    row1 = max(row1, row0)
     device = rng_state.device
-    calls = -(-rows // ROWS_PER_CALL)
+    calls = -(-n_rows // ROWS_PER_CALL)
+    first, last = row0 // ROWS_PER_CALL, -(-row1 // ROWS_PER_CALL)
     bh = torch.arange(batch * heads, device=device).view(batch, heads, 1, 1)
-    group = torch.arange(calls, device=device).view(1, 1, calls, 1)
+    group = torch.arange(first, last, device=device).view(1, 1, -1, 1)
     col = torch.arange(start, stop, device=device).view(1, 1, 1, -1)
     counter = rng_state[1] + (bh * calls + group) * keys + col
     words = torch.stack(philox(rng_state[0], counter), dim=3)  # (B, H, calls, 4, cols)
-    x = words.reshape(batch, heads, calls * ROWS_PER_CALL, -1)[:, :, :rows]
-    return x >= threshold(dropout_p)
+    x = words.reshape(batch, heads, (last - first) * ROWS_PER_CALL, -1)
+    skipped = row0 - first * ROWS_PER_CALL  # rows of the first call above row0
+    return x[:, :, skipped:skipped + row1 - row0] >= threshold(dropout_p)

@@ -1,6 +1,7 @@
 """The varlen reference: per sequence, the blocked reference of ``reference.py`` with the window
-as a dense keep-mask. Readable rather than fast; a sequence's bits depend on that sequence only,
-because nothing is computed across sequences.
+as the dense kernels take it (``packing.kernel_window``: itself where Lq = Lk, so that the
+reference skips the keys it masks, else a dense keep-mask). A sequence's bits depend on that
+sequence only, because nothing is computed across sequences.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ def forward(query: Tensor, key: Tensor, value: Tensor, segments: list[packing.Se
             out[seg.q0:seg.q1] = 0
             lse[:, seg.q0:seg.q1] = -math.inf
             continue
+        mask, dense_window, causal = packing.kernel_window(seg, window, query.shape[1],
+                                                           query.device)
         o, s = reference.attention_forward(
             packing.view(query, seg.q0, seg.q1), packing.view(key, seg.k0, seg.k1),
-            packing.view(value, seg.k0, seg.k1), packing.keep(seg, window, query.device),
-            False, scale)
+            packing.view(value, seg.k0, seg.k1), mask, causal, scale, dense_window)
         packing.view(out, seg.q0, seg.q1).copy_(o)
         lse[:, seg.q0:seg.q1] = s[0]
 
@@ -38,11 +40,13 @@ def backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: T
     for seg in segments:
         if seg.q1 == seg.q0 or seg.k1 == seg.k0:
             continue
+        mask, dense_window, causal = packing.kernel_window(seg, window, query.shape[1],
+                                                           query.device)
         grads = reference.attention_backward(
             packing.view(grad_out, seg.q0, seg.q1), packing.view(query, seg.q0, seg.q1),
             packing.view(key, seg.k0, seg.k1), packing.view(value, seg.k0, seg.k1),
-            packing.view(out, seg.q0, seg.q1), lse[None, :, seg.q0:seg.q1],
-            packing.keep(seg, window, query.device), False, scale)
+            packing.view(out, seg.q0, seg.q1), lse[None, :, seg.q0:seg.q1], mask, causal, scale,
+            dense_window)
         for packed, (start, stop), g in zip((dq, dk, dv), ((seg.q0, seg.q1), (seg.k0, seg.k1),
                                                            (seg.k0, seg.k1)), grads):
             packing.view(packed, start, stop).copy_(g)
