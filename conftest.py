@@ -16,6 +16,21 @@ if not HAS_CUDA:
 pytest_plugins = ["dash_inductor.pytest_plugin"]
 
 
+@pytest.fixture
+def fresh_compiles(deterministic_algorithms):
+    """Compile from scratch under deterministic algorithms: Dynamo reset (models that share a
+    forward wrapper would otherwise add up to its recompile limit, past which it runs them
+    eagerly) and no Inductor or AOTAutograd cache, so that every compile runs the passes."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_CUDA:
         return

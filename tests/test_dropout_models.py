@@ -37,16 +37,7 @@ LAYERS, WIDTH, HEADS, VOCAB, SEQ, DECODER_SEQ, BATCH = 2, 32, 4, 128, 16, 8, 3
 ATTENTION_DROPOUTS = ("attn.attn_dropout", "attention.self.dropout")
 
 
-@pytest.fixture(autouse=True)
-def fresh_compiles(deterministic_algorithms):
-    # transformers' models share forward wrappers (one code object): without a reset the models
-    # would add up to Dynamo's recompile limit, past which it runs them eagerly. No cache either,
-    # so every compile runs the passes (and skips computing cache keys, a second per graph).
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compiles")
 
 
 # use_cache=False: training needs no KV cache, and tracing transformers' cache objects costs

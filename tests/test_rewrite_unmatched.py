@@ -15,13 +15,7 @@ from torch._dynamo.utils import counters
 
 from dash_inductor.inductor import rewrite
 
-@pytest.fixture(autouse=True)
-def fresh_compiles(deterministic_algorithms):
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compiles")
 
 
 def encoder_layer(dropout: float) -> torch.nn.TransformerEncoderLayer:
