@@ -14,18 +14,33 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import racecheck  # noqa: E402
 
+#: The Hopper backward's lines that the log names, as they read in the tree that made it. Edits
+#: since have moved them (the SASS stayed byte-identical), and the triage finds the known lines
+#: in today's sources: the test points the log at where the same lines are now.
+LOG_LINES = {274: "def backward_kernel(", 362: "    gl.warp_specialize(["}
+
+
+def _log_of_today() -> str:
+    source = (ROOT / "ops/hopper/backward.py").read_text().splitlines()
+    text = gzip.decompress(LOG.read_bytes()).decode()
+    for old, start in LOG_LINES.items():
+        (now,) = [n for n, line in enumerate(source, 1) if line.startswith(start)]
+        text = text.replace(f"backward.py:{old})", f"backward.py:{now})").replace(
+            f"in backward.py:{old}\n", f"in backward.py:{now}\n")
+    return text
+
 
 def test_the_stored_reports_hazards_are_all_known(tmp_path, capsys):
     log = tmp_path / "rc.log"
-    log.write_text(gzip.decompress(LOG.read_bytes()).decode())
+    log.write_text(_log_of_today())
     assert racecheck.triage(str(log)) == 0
     out = capsys.readouterr().out
     assert "45 hazards in 4 groups" in out and "UNKNOWN" not in out
-    assert "backward_kernel+0x2760 (backward.py:274)" in out  # the report
+    assert "backward_kernel+0x2760 (backward.py:" in out  # the report
 
 
 def test_a_hazard_elsewhere_is_unknown(tmp_path, capsys):
-    text = gzip.decompress(LOG.read_bytes()).decode().replace("backward.py:274", "backward.py:99")
+    text = _log_of_today().replace("backward.py:", "backward.py:9")
     log = tmp_path / "rc.log"
     log.write_text(text)
     assert racecheck.triage(str(log)) == 1
