@@ -130,6 +130,15 @@ MASKED_VARIANTS = (("descending", True, True, False), ("ascending", False, True,
 RED_WRITER_VARIANTS = (("shift", False), ("descending", True))
 
 
+#: One variant of each of the kernels' code paths (dense, windowed, packed with the claimed deal
+#: and the tail conversion; d64 and d128), for compiling under another Triton quickly:
+#: (head dim, schedule or "forward", causal, window, varlen).
+FEW_VARIANTS = ((128, "forward", True, False, False), (64, "forward", False, False, False),
+                (128, "descending", False, False, False), (64, "shift", True, False, False),
+                (128, "descending", True, True, False), (128, "shift", True, False, True),
+                (64, "ascending", False, False, True))
+
+
 def variant_name(window: bool, varlen: bool) -> str:
     """"dense", "window", "varlen" or "varlen+window"."""
     return "+".join(name for name, on in (("varlen", varlen), ("window", window)) if on) or "dense"
@@ -141,7 +150,19 @@ def main(argv: list[str] | None = None) -> None:
     forward kernel)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--dtype", choices=sorted(_GL_DTYPES), required=True)
+    parser.add_argument("--few", action="store_true",
+                        help="only FEW_VARIANTS, each kernel's code paths once")
     args = parser.parse_args(argv)
+    if args.few:
+        for head_dim, schedule, causal, window, varlen in FEW_VARIANTS:
+            compiled = (compile_forward(args.dtype, head_dim, causal) if schedule == "forward"
+                        else compile_backward(args.dtype, head_dim, schedule, causal,
+                                              group=4 if causal else 1, even_s=not causal,
+                                              window=window, varlen=varlen))
+            key = dict(dtype=args.dtype, head_dim=head_dim, schedule=schedule, causal=causal,
+                       variant=variant_name(window, varlen), triton=triton.__version__)
+            print(json.dumps({**key, **summary(compiled)}), flush=True)
+        return
     for head_dim in HEAD_DIMS:
         for causal in (False, True):
             compiled = compile_forward(args.dtype, head_dim, causal, group=2 if causal else 1)
