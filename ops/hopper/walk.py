@@ -16,8 +16,16 @@ of packed sequences and windows (``ops/portable/backward.py``; ``ops/shared/tile
 
 from __future__ import annotations
 
+import typing
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+# Triton 3.6's Gluon has no public aggregate; its own modules use the language's.
+try:
+    from triton.experimental.gluon import aggregate
+except ImportError:
+    from triton.language.core import _aggregate as aggregate
 
 from ..shared import schedules as sch
 from ..shared import tiles
@@ -110,11 +118,26 @@ def visit_heads(visit, NUM_SLOTS: gl.constexpr, GROUP: gl.constexpr, VISIT_HEADS
     return result
 
 
+def _aggregate(cls):
+    """``aggregate`` with a constructor taking the fields in order, which Triton 3.6's
+    aggregates do not generate (a constexpr function: it gets its arguments unwrapped, so plain
+    values go back into constexprs), and the fields' types resolved, which 3.6 checks as given."""
+    cls.__annotations__ = typing.get_type_hints(cls)  # 3.6 checks fields against them
+    names = tuple(cls.__annotations__)
+
+    def __init__(self, *fields):
+        for name, value in zip(names, fields, strict=True):
+            setattr(self, name, value if isinstance(value, gl.base_value) else gl.constexpr(value))
+
+    cls.__init__ = gluon.constexpr_function(__init__)
+    return aggregate(cls)
+
+
 #: A scalar argument of the kernel: Triton's launcher passes an int equal to 1 as a constexpr.
 _Int = gl.tensor | gl.constexpr
 
 
-@gluon.aggregate
+@_aggregate
 class Walk:
     """The loop over a program's work items, the same in its three partitions (``start``)::
 
