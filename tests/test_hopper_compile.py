@@ -24,6 +24,7 @@ import pytest
 from dash_inductor.ops import catalog
 from dash_inductor.ops.hopper import aot
 from dash_inductor.ops.hopper.config import backward_config
+from dash_inductor.ops.hopper.dq_order import flat_box, flat_layout
 
 DTYPES = ("bf16", "fp16")
 
@@ -63,6 +64,8 @@ def _check_backward(row: dict, schedule: str, head_dim: int, causal: bool,
     assert (row["dq_tma_adds"] > 0) == (not sched.separate_dq)
     assert (row["dq_adds"] > 0) == (varlen and not sched.separate_dq)
     assert (row["ticket_release"] > 0) == sched.ordered
+    if not (varlen or sched.separate_dq):  # staged in fragment order: 16-byte stores only
+        assert row["shared_v2_stores"] == 0
     assert row["shared"] <= 227 * 1024
     assert row["wgmma_serialized"] == 0, "ptxas serializes the wgmma (advisory C7512)"
 
@@ -89,6 +92,7 @@ def test_window_and_packed_backward_compile_for_sm90(variants, head_dim, schedul
 def test_red_writer_config_compiles_for_sm90(variants, head_dim, schedule, causal):
     row = variants[("bf16", head_dim, schedule, causal, "dense-red-writer")]
     assert row["dq_adds"] > 0 and row["dq_tma_adds"] == 0
+    assert row["shared_v2_stores"] > 0  # row-major staging, which the red.v4 adds read
     assert (row["named_arrives"] > 0) == backward_config(head_dim, causal).named_handoff
     assert row["ticket_release"] > 0 and row["wgmma_serialized"] == 0
     assert row["shared"] <= 227 * 1024
@@ -126,6 +130,8 @@ def test_the_launcher_describes_the_boxes_the_offline_compile_builds(dtype):
     for head_dim in (64, 128):  # the dQ accumulator's reduce-add boxes
         acc = launch._shared_layout((64, head_dim), torch.float32)
         assert acc == gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.float32)
+        flat = launch._shared_layout(flat_box(64, head_dim), torch.float32, swizzled=False)
+        assert flat == flat_layout() and flat.swizzle_byte_width == 0
 
 
 def test_each_kernel_path_compiles_under_the_oldest_supported_triton():

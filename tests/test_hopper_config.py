@@ -26,6 +26,7 @@ def test_backward_configs_are_the_measured_ones(key):
     assert (cfg.block_m, cfg.stages, cfg.dq_stages, cfg.dk_in_flight, cfg.named_handoff,
             cfg.writer_regs, cfg.heads_outer, cfg.tail_convert, cfg.claimed_deal) == PINNED[key]
     assert cfg.block_n == 128 and cfg.dq_tma and cfg.aligned_grid and cfg.unpadded_deal
+    assert cfg.dq_fragment_order == (not key[2])  # packed tiles stay row-major (dq_order.py)
 
 
 def test_forward_config_and_its_threshold():

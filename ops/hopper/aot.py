@@ -24,6 +24,7 @@ from ..catalog import get as get_schedule
 from .backward import backward_kernel
 from .config import (HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, backward_config,
                      backward_constexprs, forward_constexprs)
+from .dq_order import flat_box, flat_layout
 from .forward import forward_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -46,8 +47,12 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
     kv_block = _descriptor(dtype, [1, 1, cfg.block_n, head_dim])
     stats_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m], gl.float32)
     stats_block = f"tensordesc<fp32[{cfg.block_m}],{stats_layout!r}>"
-    dq_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, head_dim], gl.float32)
-    dq_block = f"tensordesc<fp32[{cfg.block_m}, {head_dim}],{dq_layout!r}>"
+    if constexprs["DQ_FRAGMENT"]:
+        dq_box, dq_layout = list(flat_box(cfg.block_m, head_dim)), flat_layout()
+    else:
+        dq_box = [cfg.block_m, head_dim]
+        dq_layout = gl.NVMMASharedLayout.get_default_for(dq_box, gl.float32)
+    dq_block = f"tensordesc<fp32{dq_box},{dq_layout!r}>"
     signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "do_desc": q_block,
                  "lse_desc": stats_block, "delta_desc": stats_block, "dq_desc": dq_block,
                  "DK": f"*{dtype}", "DV": f"*{dtype}", "DQACC": "*fp32", "DQ": f"*{dtype}",
@@ -92,6 +97,8 @@ _PTX_FEATURES = {
     "dq_tma_adds": r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add",
     "ticket_release": r"(?:atom|red)\.global\.gpu\.release\.add",
     "named_arrives": r"\bbar\.arrive\b",
+    # 8-byte shared stores: the row-major dQ staging's (the fragment order stores 16 bytes)
+    "shared_v2_stores": r"st\.shared\.v2\.[bf]32",
 }
 
 

@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma, warpgroup_mma_wait)
 
 from . import deal, dq_tail, walk
+from .dq_order import dq_mma_layout, staging_layout
 from .dq_writer import dq_writer_partition
 from .loader import load_partition
 from .primitives import LAST_NAMED_BARRIER, named_barrier_arrive, partition_barrier, zero_outside
@@ -191,8 +192,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, HEAD_D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                        instr_shape=[16, HEAD_D // (num_warps // 4), 16])
+    dq_layout: gl.constexpr = dq_mma_layout(BLOCK_M, HEAD_D, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
@@ -281,8 +281,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                     EVEN_S: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
-                    DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
-                    VISIT_HEADS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
+                    DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr, DQ_FRAGMENT: gl.constexpr,
+                    NAMED_HANDOFF: gl.constexpr, VISIT_HEADS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
                     CLAIMED: gl.constexpr, LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
                     num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
@@ -295,14 +295,20 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     totals); UNPADDED: the items are dealt by PREFIX (``deal.py``), else every sequence has
     ``items_per_head``; CLAIMED: each program's items after its first are claimed from a counter
     (``deal.py``). VISIT_HEADS < GROUP: STASH holds each program's fp32 dK and dV of its
-    items' KV tiles between their visits, (programs, NUM_SLOTS, 2, BLOCK_N, D).
+    items' KV tiles between their visits, (programs, NUM_SLOTS, 2, BLOCK_N, D). DQ_FRAGMENT:
+    DQACC holds each tile of BLOCK_M rows in fragment order (``dq_order.py``), dq_desc over it
+    as rows of ``dq_order.FLAT`` floats; else dq_desc over its rows of D.
     """
     dtype: gl.constexpr = q_desc.dtype
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    if DQ_TMA:  # the layout of the TMA reduce-add's box (dq_desc: DQACC as rows of HEAD_D)
+    # The red.v4 writer and the packed crossing sub-tiles read the partial by rows.
+    gl.static_assert(not DQ_FRAGMENT or (DQ_TMA and not VARLEN), "fragment order: dense, TMA writer")
+    if DQ_FRAGMENT:  # in the MMA's register order (``dq_order.py``); dq_desc: DQACC flat
+        dq_layout: gl.constexpr = staging_layout(BLOCK_M, HEAD_D, num_warps)
+    elif DQ_TMA:  # the layout of the TMA reduce-add's box (dq_desc: DQACC as rows of HEAD_D)
         dq_layout: gl.constexpr = dq_desc.layout
     else:
         # 16-byte chunks XOR-swizzled by row: the MMA layout's stores (8 rows per warp) and the
@@ -377,7 +383,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                                FINISHED, ERR, CU_Q, CU_K, PREFIX, HQ, HKV, L, S, n_q, n_kv, max_q,
                                max_k, row_stride, win_left, win_right, items_per_head,
                                total_items, max_spin, GROUP, CAUSAL, SCHEDULE, NUM_SLOTS,
-                               BLOCK_N, COMPUTE_DQ, ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA, WRITER_FREES,
+                               BLOCK_N, COMPUTE_DQ, ORDERED, WRITER_ROWS, WINDOW, VARLEN, DQ_TMA,
+                               DQ_FRAGMENT, WRITER_FREES,
                                DK_IN_FLIGHT, NAMED_HANDOFF, HANDOFF_THREADS, VISIT_HEADS,
                                UNPADDED, TAIL_CONVERT, CLAIMED)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

@@ -44,8 +44,9 @@ class HopperBackwardConfig:
     per step; ``stages`` Q/dO buffers in flight; ``dq_stages`` dQ partials the compute warps may
     run ahead of the dQ writer; ``writer_rows`` rows a writer's ``red.v4`` pass adds;
     ``dk_in_flight``: dK's MMA stays in flight into the next step; ``dq_tma``: the writer adds a
-    partial with one TMA reduce-add; ``named_handoff``: partials go to the writer on a named
-    barrier (else an mbarrier); ``*_regs``: registers per worker partition (setmaxnreg);
+    partial with one TMA reduce-add; ``dq_fragment_order``: :func:`dq_fragment`;
+    ``named_handoff``: partials go to the writer on a named barrier (else an mbarrier);
+    ``*_regs``: registers per worker partition (setmaxnreg);
     ``aligned_grid``: :func:`ordered_programs`; ``heads_outer``/``visit_heads``:
     :func:`visit_heads`; ``unpadded_deal``, ``tail_convert``, ``claimed_deal``: how packed items
     are dealt and dQ converted (``deal.py``, ``dq_tail.py``). The defaults are the d128 unmasked
@@ -59,6 +60,7 @@ class HopperBackwardConfig:
     writer_rows: int = 8
     dk_in_flight: bool = True
     dq_tma: bool = True
+    dq_fragment_order: bool = True
     named_handoff: bool = True
     load_regs: int = 24
     writer_regs: int = 48
@@ -84,6 +86,7 @@ def backward_config(head_dim: int, causal: bool, packed: bool = False) -> Hopper
         return HopperBackwardConfig(block_m=128, stages=2, dq_stages=1, dk_in_flight=False,
                                     writer_regs=24, heads_outer=False)
     return HopperBackwardConfig(
+        dq_fragment_order=not packed,  # crossing sub-tiles and the tail conversion read rows
         # d64 packed keeps 64-row steps (128 spilled there), so four buffers let the compute
         # warps run ahead of a writer that waits for its turn.
         stages=4 if deep else 3, dq_stages=4 if deep else 1,
@@ -155,6 +158,13 @@ def tail_convert(cfg: HopperBackwardConfig, schedule: str, varlen: bool) -> bool
     return cfg.tail_convert and unpadded_deal(cfg, schedule, varlen)
 
 
+def dq_fragment(cfg: HopperBackwardConfig, varlen: bool) -> bool:
+    """Whether the compute warps stage each dQ partial in the MMA's register order, free of bank
+    conflicts, and DQACC holds its tiles in that order (``dq_order.py``): dense problems with the
+    TMA writer, which adds whole tiles (the ``red.v4`` writer and packed sequences read rows)."""
+    return cfg.dq_fragment_order and cfg.dq_tma and not varlen
+
+
 def backward_constexprs(sched: Schedule, causal: bool, group: int, even_s: bool,
                         cfg: HopperBackwardConfig, window: bool = False,
                         varlen: bool = False) -> dict[str, object]:
@@ -166,6 +176,7 @@ def backward_constexprs(sched: Schedule, causal: bool, group: int, even_s: bool,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                 DQ_STAGES=cfg.dq_stages, WRITER_ROWS=cfg.writer_rows,
                 DK_IN_FLIGHT=cfg.dk_in_flight, DQ_TMA=cfg.dq_tma,
+                DQ_FRAGMENT=dq_fragment(cfg, varlen),
                 NAMED_HANDOFF=cfg.named_handoff,
                 VISIT_HEADS=visit_heads(cfg, sched.slots(causal), group, window, varlen),
                 UNPADDED=unpadded_deal(cfg, schedule, varlen),

@@ -9,6 +9,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from . import dq_tail, walk
+from .dq_order import as_flat
 from .primitives import (LAST_NAMED_BARRIER, await_count, named_barrier_sync, partition_barrier,
                          red_add, red_add_rows, tma_add, tma_store, tma_writes_performed)
 
@@ -30,14 +31,16 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slot
                         GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                         NUM_SLOTS: gl.constexpr, BLOCK_N: gl.constexpr, COMPUTE_DQ: gl.constexpr,
                         ORDERED: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr,
-                        VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, FREES_STAGES: gl.constexpr,
-                        PREVIOUS_STAGE: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
+                        VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, DQ_FRAGMENT: gl.constexpr,
+                        FREES_STAGES: gl.constexpr, PREVIOUS_STAGE: gl.constexpr,
+                        NAMED_HANDOFF: gl.constexpr,
                         HANDOFF_THREADS: gl.constexpr, VISIT_HEADS: gl.constexpr,
                         UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
                         CLAIMED: gl.constexpr):
     """Add each step's dQ partial into DQACC, in the schedule's rank order when ORDERED: with one
-    TMA reduce-add (DQ_TMA), else (and for a packed sub-tile that crosses its sequence's edge)
-    with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release a
+    TMA reduce-add (DQ_TMA; DQ_FRAGMENT: a partial staged in fragment order, through DQACC's
+    flat view, ``dq_order.py``), else (and for a packed sub-tile that crosses its sequence's
+    edge) with vectorized ``red`` adds from registers. FREES_STAGES: on taking a partial, release a
     Q/dO stage that the compute warps retired before handing the partial over: the KV tile's
     previous step's with PREVIOUS_STAGE (dK in flight), else the partial's own (one arrive a
     step fewer for them, each of which costs them two barriers). NAMED_HANDOFF: the partial
@@ -58,6 +61,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slot
     HEAD_D: gl.constexpr = dq_bufs.shape[2]
     STAGES: gl.constexpr = q_empty.shape[0]
     NSUB: gl.constexpr = BLOCK_N // BLOCK_M
+    FLAT_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
     # Four contiguous floats per lane and no lane holding another's elements (the adds are raw
     # ``red`` instructions: a replicated element would be added twice).
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // HEAD_D, HEAD_D // 4], [1, 1], [1, 0])
@@ -126,10 +130,16 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slot
                                     keep = ((rows >= q_lo) & (rows < q_hi)).to(gl.int32)
                                     red_add_rows(ptrs, vals, keep[:, None] + 0 * offs_d[None, :])
                             elif DQ_TMA:
-                                if first_rank:
-                                    tma_store(dq_desc, [row_base + row0, 0], buf)
+                                if DQ_FRAGMENT:  # the tile's FLAT_ROWS rows of the flat view
+                                    box = [(row_base + row0) // BLOCK_M * FLAT_ROWS, 0]
+                                    src = as_flat(buf, dq_desc)
                                 else:
-                                    tma_add(dq_desc, [row_base + row0, 0], buf)
+                                    box = [row_base + row0, 0]
+                                    src = buf
+                                if first_rank:
+                                    tma_store(dq_desc, box, src)
+                                else:
+                                    tma_add(dq_desc, box, src)
                                 tma.store_wait(0)  # read: the staging buffer is free again
                             else:
                                 for r in gl.static_range(0, BLOCK_M, ROWS):

@@ -14,12 +14,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..plan import Plan
-from ..shared.dq_convert import convert_dq
+from ..shared.dq_convert import TileOrder, convert_dq
 from ..shared.dq_pass import launch_dq_pass
 from ..shared.errors import spin_flag, watch_spin_flag
 from ..shared.preprocess import compute_delta, prepare, zeroed_tickets
 from ..shared.tiles import LOG2E
 from .backward import backward_kernel
+from .dq_order import flat_box, flat_layout, fragment_bases
 from .forward import forward_kernel
 from .packed_prep import packed_prepare
 from .support import tma_copy
@@ -28,9 +29,13 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The swizzled shared-memory layout of a TMA box (cached: building it is pure Python that
-    every launch would otherwise pay again, for each descriptor, on the host)."""
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype,
+                   swizzled: bool = True) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a TMA box, swizzled or (the dQ accumulator's flat view) not
+    (cached: building it is pure Python that every launch would otherwise pay again, for each
+    descriptor, on the host)."""
+    if not swizzled:
+        return flat_layout()
     gl_dtype = gl.float32 if dtype == torch.float32 else _GL_DTYPES[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
@@ -55,17 +60,18 @@ _DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
 
 
 def _tma_descriptor(ptr: int, dtype: torch.dtype, shape: tuple[int, ...],
-                    strides: tuple[int, ...], block: tuple[int, ...]) -> TensorDescriptor:
+                    strides: tuple[int, ...], block: tuple[int, ...],
+                    swizzled: bool = True) -> TensorDescriptor:
     """A TMA descriptor over the tensor at ``ptr`` (16-byte aligned: fresh allocations, and the
     inputs that ``support.tma_copy`` made readable)."""
-    key = (ptr, dtype, shape, strides, block)
+    key = (ptr, dtype, shape, strides, block, swizzled)
     desc = _DESCRIPTORS.get(key)
     if desc is None:
         if len(_DESCRIPTORS) >= 4096:
             _DESCRIPTORS.clear()
         desc = _DESCRIPTORS[key] = TensorDescriptor(
             _Address(ptr, dtype), list(shape), list(strides), list(block),
-            _shared_layout(block, dtype))
+            _shared_layout(block, dtype, swizzled))
     return desc
 
 
@@ -78,12 +84,22 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return _tma_descriptor(t.data_ptr(), t.dtype, shape, strides, (1, 1, rows, shape[3]))
 
 
-def _accumulator_descriptor(ptr: int, elements: int, rows: int, head_d: int) -> TensorDescriptor:
-    """A TMA descriptor over ``elements`` fp32 of the dQ accumulator at ``ptr`` as rows of
-    ``head_d``, for the writer's [rows, head_d] reduce-adds. Where dQ is computed apart the kernel
-    never touches it, and any aligned address serves."""
-    return _tma_descriptor(ptr, torch.float32, (max(elements // head_d, rows), head_d),
-                           (head_d, 1), (rows, head_d))
+def _accumulator_descriptor(ptr: int, elements: int, rows: int, head_d: int,
+                            fragment: bool) -> TensorDescriptor:
+    """A TMA descriptor over ``elements`` fp32 of the dQ accumulator at ``ptr`` for the writer's
+    adds of [rows, head_d] tiles: as rows of ``head_d``, or, with the tiles in ``fragment`` order,
+    as the flat view's rows (``dq_order.py``). Where dQ is computed apart the kernel never
+    touches it, and any aligned address serves."""
+    box = flat_box(rows, head_d) if fragment else (rows, head_d)
+    width = box[1]
+    return _tma_descriptor(ptr, torch.float32, (max(elements // width, box[0]), width),
+                           (width, 1), box, swizzled=not fragment)
+
+
+@functools.lru_cache(maxsize=None)
+def _fragment_order(block_m: int, head_d: int, num_warps: int) -> TileOrder:
+    """Where the dense backward's DQACC holds each element of a tile (``dq_order.py``)."""
+    return TileOrder.from_bases(fragment_bases(block_m, head_d, num_warps))
 
 
 def _row_descriptors(stats: torch.Tensor, block: int) -> tuple[TensorDescriptor, ...]:
@@ -147,7 +163,8 @@ def _launch(plan: Plan, views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor 
     plan.launches("main", backward_kernel, plan.grid, (
         _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
         _descriptor(grad_out, cfg.block_m), *_row_descriptors(stats, cfg.block_m),
-        _accumulator_descriptor(acc.data_ptr(), acc.numel(), cfg.block_m, q.shape[3]), dk, dv,
+        _accumulator_descriptor(acc.data_ptr(), acc.numel(), cfg.block_m, q.shape[3],
+                                constexprs["DQ_FRAGMENT"]), dk, dv,
         acc, dk if dq is None else dq, stash, tickets, spin_flag(q.device), cu_q, cu_k, tickets if prefix is None else prefix,
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2), *dq_strides,
         q.shape[1], k.shape[1], *sizes[1:5], max_q, max_k, *sizes[5:], *spec["window"],
@@ -183,7 +200,10 @@ def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
                        is_causal=spec["causal"], scale=scale, cfg=spec["dq_config"],
                        window=spec["window"])
     else:
-        convert_dq(plan.launches, dq_acc, dq)
+        order = None
+        if spec["constexprs"]["DQ_FRAGMENT"]:
+            order = _fragment_order(cfg.block_m, q.shape[3], cfg.num_warps)
+        convert_dq(plan.launches, dq_acc, dq, order)
     if schedule.ordered:
         watch_spin_flag(spin_flag(q.device), plan)
 
