@@ -9,10 +9,10 @@ and checked against SDPA's math backend (FlashAttention's rule, ``dash_inductor.
   kernel="hopper")``: the Hopper forward and the dense Hopper backward, each of the ordered
   schedules (``ascending``, ``descending``, ``shift``).
 - ``hopper-packed-{schedule}-{full,causal}-d{64,128}``: ``dash_inductor.varlen_attention`` with
-  ``kernel="auto"`` (the portable packed forward, the packed Hopper backward, checked from the
-  recorded plan). Causal ``shift`` is the claimed deal (``ops/hopper/deal.py``), given more work
-  items than an H100 has SMs so that programs claim; at head dim 128 it also converts dQ in the
-  kernel's tail (``ops/hopper/dq_tail.py``).
+  ``kernel="hopper"``: the packed Hopper forward and backward (checked from the recorded plans).
+  Causal ``shift`` is the claimed deal (``ops/hopper/deal.py``), given more work items than an
+  H100 has SMs so that programs claim; at head dim 128 it also converts dQ in the kernel's tail
+  (``ops/hopper/dq_tail.py``).
 - ``portable-dense-{schedule}-{full,causal}-d{64,128}`` and ``portable-packed-...``: the
   ``tl`` kernels (``kernel="portable"``), every schedule of ``catalog.NAMES``.
 
@@ -165,11 +165,7 @@ def run_packed(v: Variant, sz: Sizes, device: str, dtype, seed: int):
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
                            device=device)
     leaves = [t.detach().requires_grad_() for t in (q, k, val)]
-    # kernel="auto": the packed forward is the portable one (the Hopper forward takes no offsets)
-    # and the packed backward takes the Hopper path for the ordered schedules; "hopper" would run
-    # per-sequence dense launches instead.
-    kernel = "auto" if v.path == "hopper" else "portable"
-    with dash_inductor.config.patch(schedule=v.schedule, kernel=kernel):
+    with dash_inductor.config.patch(schedule=v.schedule, kernel=v.path):
         out = dash_inductor.varlen_attention(*leaves, offsets, offsets, max(lengths),
                                              max(lengths),
                                              window_size=(-1, 0) if v.causal else (-1, -1),
@@ -220,7 +216,7 @@ def check_plans(v: Variant, plans) -> str | None:
         return (f"backward ran {plan.kernel}/{schedule} ({plan.kernel_reason or ''}"
                 f"{plan.fallback or ''})")
     ran_forward = forward[-1].kernel if forward else None
-    if v.layout == "dense" and v.path == "hopper" and ran_forward != "hopper":
+    if v.path == "hopper" and ran_forward != "hopper":
         return f"forward ran {ran_forward}"
     return None
 

@@ -34,7 +34,6 @@ from .shared.dropout import Dropout
 from .shared.launch import Launches, interpreting
 
 PORTABLE, HOPPER, NO_WINDOW = rules.PORTABLE, rules.HOPPER, rules.NO_WINDOW
-_NO_PACKED_FORWARD = "packed sequences (the Hopper forward takes no offsets)"
 
 log = logging.getLogger("dash_inductor")
 
@@ -269,21 +268,33 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q: 
     window = tuple(window)
     key = ("varlen_forward", *_device_key(q), _layout(q), _layout(k), _layout(v), _layout(out),
            _layout(cu_seq_q), _layout(cu_seq_k), max_q, max_k, is_causal, window, kernel, config)
-    plan = _cached(key, lambda: _plan_varlen_forward(q, k, v, cu_seq_q, max_q, max_k, is_causal,
-                                                     window, kernel, config))
+    plan = _cached(key, lambda: _plan_varlen_forward(q, k, v, out, cu_seq_q, max_q, max_k,
+                                                     is_causal, window, kernel, config))
     plan.run(plan, q, k, v, cu_seq_q, cu_seq_k, out, lse, scale)
     return plan
 
 
-def _plan_varlen_forward(q, k, v, cu_seq_q, max_q, max_k, is_causal, window, kernel,
+def _plan_varlen_forward(q, k, v, out, cu_seq_q, max_q, max_k, is_causal, window, kernel,
                          config) -> Plan:
-    rules.check_kernel(kernel)
-    if kernel == HOPPER:
-        raise ValueError(f"dash.varlen_attention: kernel='hopper' cannot run {_NO_PACKED_FORWARD}")
-    reason = None if kernel == PORTABLE else _NO_PACKED_FORWARD
+    path, reason = rules.varlen_forward_path(kernel, q, k, v, window)
+    num_seqs = cu_seq_q.numel() - 1
+    if path == HOPPER:
+        launcher = _hopper()[0]
+        cfg = config or hopper_config.HopperForwardConfig()
+        (tq, hq, _), (tk, hkv, _) = q.shape, k.shape
+        # Sequences x heads on axis 0, which may pass 65535 programs; none launches without keys.
+        runs = num_seqs and max_q and tq and tk
+        grid = (num_seqs * hq, triton.cdiv(max_q, cfg.block_m)) if runs else ()
+        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
+        spec = dict(max_lens=(max_q, max_k),
+                    constexprs=hopper_config.forward_constexprs(is_causal, hq // hkv, cfg,
+                                                                varlen=True),
+                    copies=tuple(not support.tma_strided(t) for t in heads_first[:3]),
+                    stage_out=not support.tma_strided(heads_first[3]))
+        return Plan("forward", HOPPER, reason, None, None, None, grid, cfg,
+                    launcher.run_varlen_forward, spec, Launches())
     cfg = config or forward_config(max(q.shape[2], v.shape[2]), q.dtype, is_causal,
                                    arch_key(q.device))
-    num_seqs = cu_seq_q.numel() - 1
     grid = (num_seqs * q.shape[1], triton.cdiv(max_q, cfg.block_m))
     views = (packed.virtual(t, num_seqs) for t in (q, k, v))
     spec = dict(window=window, max_lens=(max_q, max_k), constexprs=forward.constexprs(

@@ -60,6 +60,25 @@ def forward_path(kernel: str, q, k, v, mask, window,
                       f"N = {shortest}")
 
 
+#: Why ``kernel="auto"`` keeps packed sequences on the portable forward.
+PACKED_FORWARD_UNMEASURED = ("packed sequences (the Hopper packed forward runs when named, "
+                             "kernel='hopper': not yet measured against the portable one)")
+
+
+def varlen_forward_path(kernel: str, q, k, v, window) -> tuple[str, str | None]:
+    """The packed forward's kernel path, and why ``auto`` did not take the Hopper one."""
+    check_kernel(kernel)
+    if kernel == PORTABLE:
+        return PORTABLE, None
+    reason = hopper_unsupported(q, k, v, None, window, "forward")
+    if kernel == HOPPER and reason is not None:
+        raise ValueError(f"dash.varlen_attention: kernel='hopper' cannot run this attention: "
+                         f"{reason}; use kernel='auto' or 'portable'")
+    if kernel == HOPPER:
+        return HOPPER, None
+    return PORTABLE, reason or PACKED_FORWARD_UNMEASURED
+
+
 def backward_path(kernel: str, schedule: str, q, k, v, mask, window,
                   dropout: bool = False) -> tuple[str, str | None]:
     """The backward's kernel path for the requested schedule, and why ``auto`` did not take the

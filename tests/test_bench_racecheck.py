@@ -14,19 +14,23 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import racecheck  # noqa: E402
 
-#: The Hopper backward's lines that the log names, as they read in the tree that made it. Edits
-#: since have moved them (the SASS stayed byte-identical), and the triage finds the known lines
-#: in today's sources: the test points the log at where the same lines are now.
-LOG_LINES = {274: "def backward_kernel(", 362: "    gl.warp_specialize(["}
+#: The Hopper kernels' lines that the log names, as they read in the tree that made it. Edits
+#: since have moved them (the backward's SASS stayed byte-identical; the forward gained its packed
+#: variant), and the triage finds the known lines in today's sources: the test points the log at
+#: where the same lines are now.
+LOG_LINES = {("backward.py", 274): "def backward_kernel(",
+             ("backward.py", 362): "    gl.warp_specialize([",
+             ("forward.py", 160): "def forward_kernel(",
+             ("forward.py", 188): "    gl.warp_specialize(["}
 
 
 def _log_of_today() -> str:
-    source = (ROOT / "ops/hopper/backward.py").read_text().splitlines()
     text = gzip.decompress(LOG.read_bytes()).decode()
-    for old, start in LOG_LINES.items():
+    for (name, old), start in LOG_LINES.items():
+        source = (ROOT / "ops/hopper" / name).read_text().splitlines()
         (now,) = [n for n, line in enumerate(source, 1) if line.startswith(start)]
-        text = text.replace(f"backward.py:{old})", f"backward.py:{now})").replace(
-            f"in backward.py:{old}\n", f"in backward.py:{now}\n")
+        text = text.replace(f"{name}:{old})", f"{name}:{now})").replace(
+            f"in {name}:{old}\n", f"in {name}:{now}\n")
     return text
 
 

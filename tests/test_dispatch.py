@@ -248,7 +248,7 @@ def test_every_launcher_is_called_with_its_own_signature(hopper_takes_it, monkey
     from dash_inductor.ops.hopper import launch
 
     called = []
-    for name in ("run_forward", "run_backward", "run_varlen_backward"):
+    for name in ("run_forward", "run_backward", "run_varlen_forward", "run_varlen_backward"):
         real = getattr(launch, name)
 
         def record(*args, real=real, **kwargs):
@@ -264,7 +264,9 @@ def test_every_launcher_is_called_with_its_own_signature(hopper_takes_it, monkey
     dispatch.attention_backward(do, q, k, v, out, lse, None, *grads, is_causal=True, scale=0.1)
     cu = torch.tensor([0, 700, 2048], dtype=torch.int32)
     packed = [t[0].transpose(0, 1) for t in (q, k, v, do, out)]
+    dispatch.varlen_forward(*packed[:3], cu, cu, 1348, 1348, packed[4], lse[0], is_causal=True,
+                            scale=0.1, kernel="hopper")
     dispatch.varlen_backward(*packed[3:4], *packed[:3], packed[4], lse[0], cu, cu, 1348, 1348,
                              *(torch.empty_like(t) for t in packed[:3]), is_causal=True,
                              scale=0.1)
-    assert called == ["run_forward", "run_backward", "run_varlen_backward"]
+    assert called == ["run_forward", "run_backward", "run_varlen_forward", "run_varlen_backward"]

@@ -2,11 +2,12 @@
 every variant.
 
 Gluon does not run in the Triton interpreter, so this is what CI can check of them: each
-(dtype, head dim, schedule, causal) variant goes through the whole pipeline to PTX and cubin, and
-the PTX holds what the design relies on (wgmma, TMA loads, per-partition register budgets, the dQ
-writer's TMA reduce-adds, or its vectorized adds where a packed sub-tile crosses its sequence's
-edge and in the ``red.v4`` writer config, the partial's hand-off on a named barrier where the
-config asks for it, and, for ordered schedules only, its ticket release), and ptxas keeps
+(dtype, head dim, schedule, causal) variant, dense and packed, goes through the whole pipeline to
+PTX and cubin, and the PTX holds what the design relies on (wgmma, TMA loads, per-partition
+register budgets, the packed forward's masked stores of O, the dQ writer's TMA reduce-adds, or
+its vectorized adds where a packed sub-tile crosses its sequence's edge and in the ``red.v4``
+writer config, the partial's hand-off on a named barrier where the config asks for it, and, for
+ordered schedules only, its ticket release), and ptxas keeps
 the wgmma asynchronous (when it runs short of registers it serializes them, which halves the
 kernel's speed without changing a bit of its output). The compiles run in
 subprocesses without TRITON_INTERPRET (this suite sets it, and Gluon cannot call interpreted
@@ -98,14 +99,17 @@ def test_red_writer_config_compiles_for_sm90(variants, head_dim, schedule, causa
     assert row["shared"] <= 227 * 1024
 
 
+@pytest.mark.parametrize("variant", ["dense", "varlen"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_forward_compiles_for_sm90(variants, dtype, head_dim, causal):
-    row = variants[(dtype, head_dim, "forward", causal, "dense")]
+def test_forward_compiles_for_sm90(variants, dtype, head_dim, causal, variant):
+    row = variants[(dtype, head_dim, "forward", causal, variant)]
     assert row["cubin_bytes"] > 0
     assert row["wgmma"] > 0
     assert row["tma_loads"] >= 3 and row["tma_stores"] >= 1  # Q, K, V in; O out
+    # A packed tile that crosses its sequence's end stores O by masked 16-byte stores.
+    assert (row["masked_stores"] > 0) == (variant == "varlen")
     assert row["setmaxnreg_inc"] > 0 and row["setmaxnreg_dec"] > 0
     assert row["dq_adds"] == row["dq_tma_adds"] == row["ticket_release"] == 0
     assert row["shared"] <= 227 * 1024
@@ -151,6 +155,8 @@ def test_each_kernel_path_compiles_under_the_oldest_supported_triton():
     for row in rows:
         assert row["triton"] == OLDEST_TRITON
         assert row["wgmma"] > 0 and row["wgmma_serialized"] == 0
-        if row["schedule"] != "forward":
+        if row["schedule"] == "forward":
+            assert (row["masked_stores"] > 0) == ("varlen" in row["variant"])
+        else:
             _check_backward(row, row["schedule"], row["head_dim"], row["causal"],
                             varlen="varlen" in row["variant"])

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from dash_inductor import config, pytest_plugin
 from dash_inductor.library import op as library
 from dash_inductor.ops import catalog, dispatch
-from dash_inductor.ops.shared import offsets
+from dash_inductor.ops.shared import offsets, offsets_check
 from dash_inductor.ops.portable import packed
 from dash_inductor.ops.shared.launch import Launches
 from dash_inductor.library.varlen import varlen_attention
@@ -95,7 +95,7 @@ def test_one_launch_per_pass_with_a_plan_each():
     plans = library.last_plans()[-2:]
     assert [plan.op for plan in plans] == ["forward", "backward"]
     assert plans[0].grid == (4 * 2, 5)  # sequences x heads, Q tiles of max_q
-    assert "packed sequences" in plans[0].kernel_reason  # no Hopper forward takes offsets
+    assert plans[0].kernel_reason.startswith("device 'cpu'")  # the Hopper forward would
     assert plans[1].kernel == "portable" and plans[1].schedule.name == "shift"
     assert plans[1].kernel_reason.startswith("device 'cpu'")  # the Hopper backward would
 
@@ -153,10 +153,12 @@ def test_packed_backward_writes_every_gradient_element(case, schedule):
 class _Unreadable(torch.Tensor):
     """Offsets whose values the host may not read: what the CUDA path must never do."""
 
+    HOST_READS = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__int__,
+                  torch.Tensor.__index__, torch.Tensor.__bool__)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__int__,
-                    torch.Tensor.__index__, torch.Tensor.__bool__):
+        if func in cls.HOST_READS:
             raise AssertionError(f"host read of the offsets: {func.__name__}")
         return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -184,11 +186,11 @@ def test_device_check_of_the_offsets_names_the_breach(cu_q, cu_k, max_q, max_k, 
     """The flag the CUDA path watches, computed here by the same kernel in the interpreter; the
     message is the host check's (the same definition), without the values."""
     cu_q, cu_k = torch.tensor(cu_q), torch.tensor(cu_k, dtype=torch.int32)
-    code = int(packed.offsets_flag(Launches(), cu_q, cu_k, (7, 7), (max_q, max_k))[0])
+    code = int(offsets_check.offsets_flag(Launches(), cu_q, cu_k, (7, 7), (max_q, max_k))[0])
     message = offsets.device_breach(code, (7, 7), (max_q, max_k))
     assert message.startswith("dash.varlen_attention: ") and re.search(match, message)
     good = torch.tensor([0, 3, 7], dtype=torch.int32)
-    assert int(packed.offsets_flag(Launches(), good, good, (7, 7), (4, 4))[0]) == 0
+    assert int(offsets_check.offsets_flag(Launches(), good, good, (7, 7), (4, 4))[0]) == 0
 
 
 def test_broken_offsets_touch_nothing_outside_their_sequences():
@@ -204,14 +206,6 @@ def test_broken_offsets_touch_nothing_outside_their_sequences():
     dispatch.varlen_backward(do, q, k, v, out, lse, cu, cu, 16, 16, dq, dk, dv, is_causal=True,
                            scale=0.25, schedule="ascending")
     assert (dk[10:60] == 0).all() and (dk[:10] != 0).any()
-
-
-def test_hopper_has_no_packed_launch():
-    cu = torch.tensor([0, 4], dtype=torch.int32)
-    q = torch.randn(4, 1, 16)
-    with pytest.raises(ValueError, match="kernel='hopper' cannot run packed sequences"):
-        dispatch.varlen_forward(q, q, q, cu, cu, 4, 4, torch.empty_like(q), torch.empty(1, 4),
-                              is_causal=False, scale=0.25, kernel="hopper")
 
 
 def _compile_for_sm90() -> list[dict]:
@@ -254,14 +248,15 @@ def _compile_for_sm90() -> list[dict]:
 
     for module, name in ((forward, "_attention_forward_kernel"), (backward, "_backward_main_kernel"),
                          (preprocess, "_preprocess_kernel"), (dq_pass, "_backward_dq_kernel"),
-                         (packed, "_check_offsets_kernel"), (dq_convert, "_convert_kernel")):
+                         (offsets_check, "_check_offsets_kernel"),
+                         (dq_convert, "_convert_kernel")):
         setattr(module, name, Compile(getattr(module, name)))
     # Launch through Triton's own ``kernel[grid]``, which the stand-ins above replace.
     launch.Launches.__call__ = lambda self, slot, kernel, grid, args, constexprs: kernel[grid](
         *args, **constexprs)
     backward.coresident_programs = lambda *args: 264
     backward.watch_spin_flag = packed.watch_spin_flag = lambda *args: None
-    packed.watch_value_flag = lambda *args: None
+    offsets_check.watch_value_flag = lambda *args: None
     cu = torch.tensor([0, 5, 75, 75, 108], dtype=torch.int32)
     q, k = torch.zeros(108, 4, 128, dtype=torch.bfloat16), torch.zeros(108, 2, 128, dtype=torch.bfloat16)
     out, lse = torch.zeros_like(q), torch.zeros(4, 108)
@@ -273,7 +268,7 @@ def _compile_for_sm90() -> list[dict]:
                                torch.zeros_like(k), torch.zeros_like(k), is_causal=causal, scale=0.1,
                                schedule=schedule, window=window,
                                config=backward_config(128, q.dtype, causal, 9))
-    packed.offsets_flag(Launches(), cu, cu, (108, 108), (70, 70))
+    offsets_check.offsets_flag(Launches(), cu, cu, (108, 108), (70, 70))
     return compiled
 
 

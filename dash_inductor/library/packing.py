@@ -3,10 +3,10 @@
 Tokens of N sequences are packed along dim 0: ``query`` (Tq, Hq, E), ``key`` (Tk, Hkv, E),
 ``value`` (Tk, Hkv, Ev); sequence ``i`` owns query rows ``cu_seq_q[i]:cu_seq_q[i+1]`` and key
 rows ``cu_seq_k[i]:cu_seq_k[i+1]``. ``check_packed`` reads only metadata (it runs on fake tensors
-at trace time); ``sequences`` reads the offsets' values on the host: free for CPU tensors, a host
-synchronisation on CUDA, where only the per-sequence path (``kernel="hopper"``) calls it; the
-packed kernels check CUDA offsets on the device (``ops/portable/packed.py``). The contract and its
-messages are defined once, in ``ops/shared/offsets.py``.
+at trace time); ``sequences`` reads the offsets' values on the host, for CPU tensors only (free
+there; the reference's per-sequence views need them); the packed kernels check CUDA offsets on
+the device (``ops/shared/offsets_check.py``). The contract and its messages are defined once, in
+``ops/shared/offsets.py``.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ by the custom ops ``dash::varlen_attention`` and ``dash::varlen_attention_backwa
 Like ``dash::attention`` the ops take the backward's choices (``config.CHOICES``) as their last
 arguments, captured when the forward runs, and have fake kernels and a registered autograd. Each
 sequence is computed alone: on the reference by ``reference_varlen.py``; on the Triton path
-(CUDA, ``cpu_backend="triton"``) by one launch per pass over all sequences (``ops/portable/packed.py``),
-whose programs read the offsets on the device and work on one sequence each (the backward of a
-named ordered schedule on the Hopper kernel, ``ops/hopper/``); with ``kernel="hopper"`` by one
-launch of the dense kernels per sequence (the Hopper forward takes no offsets). So a sequence's outputs and gradients are the same bits whatever is packed beside it,
-under every schedule. The dispatcher (Triton and the kernels) is imported at the first launch.
+(CUDA, ``cpu_backend="triton"``) by one launch per pass over all sequences, whose programs read
+the offsets on the device and work on one sequence each (``ops/portable/packed.py``, and the
+Hopper kernels, ``ops/hopper/``, where the dispatcher picks them). So a sequence's outputs and
+gradients are the same bits whatever is packed beside it, under every schedule. The dispatcher
+(Triton and the kernels) is imported at the first launch.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dash_inductor.library import packing, reference, reference_varlen
 from dash_inductor.library.op import (_MAX_SPIN, check_schedule_allowed, forbid_double_backward, record,
                                       uses_triton)
 from dash_inductor.library.shapes import check_not_nested, unfilled
-from dash_inductor.library.window import NO_WINDOW, Window, check_window, with_causal
+from dash_inductor.library.window import NO_WINDOW, check_window, with_causal
 
 if TYPE_CHECKING:
     from torch.nn.attention.varlen import AuxRequest
@@ -90,43 +90,14 @@ def _varlen_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, win
     return _forward_outputs(query, value)
 
 
-def _per_sequence(query: Tensor, kernel_path: str) -> bool:
-    """Whether the Triton path launches per sequence, reading the offsets on the host: only where
-    the Hopper path is named (its forward takes no offsets); ``auto`` runs the packed kernels."""
-    return kernel_path == "hopper"
-
-
 def _segments(query: Tensor, key: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int,
-              max_k: int, cpu_backend: str, kernel_path: str) -> list[packing.Segment] | None:
-    """The sequences, read on the host, for the paths that need them (the reference and the
-    per-sequence Hopper launches), and for CPU offsets, where reading them is free and makes a
-    breach of their contract an error now; None on the CUDA hot path, which checks on the device."""
-    if (query.device.type == "cpu" or not uses_triton(query, cpu_backend)
-            or _per_sequence(query, kernel_path)):
+              max_k: int, cpu_backend: str) -> list[packing.Segment] | None:
+    """The sequences, read on the host, for the reference, and for CPU offsets, where reading
+    them is free and makes a breach of their contract an error now; None on CUDA, whose kernels
+    check the offsets on the device."""
+    if query.device.type == "cpu" or not uses_triton(query, cpu_backend):
         return packing.sequences(query, key, cu_seq_q, cu_seq_k, max_q, max_k)
     return None
-
-
-def _per_sequence_forward(query: Tensor, key: Tensor, value: Tensor, segments, scale: float,
-                          window: Window, out: Tensor, lse: Tensor, kernel_path: str) -> None:
-    """One dense forward launch per sequence, writing through views of the packed outputs."""
-    from dash_inductor.ops import dispatch
-
-    for seg in segments:
-        lq = seg.q1 - seg.q0
-        if lq == 0:
-            continue
-        if seg.k1 == seg.k0:
-            out[seg.q0:seg.q1] = 0
-            lse[:, seg.q0:seg.q1] = -math.inf
-            continue
-        mask, seq_window, causal = packing.kernel_window(seg, window, query.shape[1], query.device)
-        lse_seq = torch.empty((1, query.shape[1], lq), dtype=torch.float32, device=query.device)
-        record(dispatch.attention_forward(
-            packing.view(query, seg.q0, seg.q1), packing.view(key, seg.k0, seg.k1),
-            packing.view(value, seg.k0, seg.k1), mask, packing.view(out, seg.q0, seg.q1),
-            lse_seq, is_causal=causal, scale=scale, kernel=kernel_path, window=seq_window))
-        lse[:, seg.q0:seg.q1] = lse_seq[0]
 
 
 @varlen_attention_op.register_kernel(("cpu", "cuda"))
@@ -136,14 +107,11 @@ def _varlen_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, w
     config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
     window = packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
                                   window_size, enable_gqa)
-    segments = _segments(query, key, cu_seq_q, cu_seq_k, max_q, max_k, cpu_backend, kernel_path)
+    segments = _segments(query, key, cu_seq_q, cu_seq_k, max_q, max_k, cpu_backend)
     out, lse = _forward_outputs(query, value)
     if not uses_triton(query, cpu_backend):
         reference_varlen.forward(query, key, value, segments, _scale(query, scale), window, out,
                                  lse)
-    elif _per_sequence(query, kernel_path):
-        _per_sequence_forward(query, key, value, segments, _scale(query, scale), window, out, lse,
-                              kernel_path)
     else:
         from dash_inductor.ops import dispatch
 
@@ -179,25 +147,6 @@ def _varlen_backward_fake(grad_out, query, key, value, out, logsumexp, cu_seq_q,
     return tuple(torch.empty_like(t) for t in (query, key, value))
 
 
-def _per_sequence_backward(grad_out, query, key, value, out, lse, segments, scale, window, grads,
-                           schedule, max_spin, kernel_path) -> None:
-    """One dense backward launch per sequence, writing through views of the packed gradients."""
-    from dash_inductor.ops import dispatch
-
-    for seg in segments:
-        if seg.q1 == seg.q0 or seg.k1 == seg.k0:
-            continue
-        mask, seq_window, causal = packing.kernel_window(seg, window, query.shape[1], query.device)
-        rows, cols = (seg.q0, seg.q1), (seg.k0, seg.k1)
-        dq, dk, dv = (packing.view(g, *r) for g, r in zip(grads, (rows, cols, cols)))
-        record(dispatch.attention_backward(
-            packing.view(grad_out, *rows), packing.view(query, *rows), packing.view(key, *cols),
-            packing.view(value, *cols), packing.view(out, *rows),
-            lse[None, :, seg.q0:seg.q1].contiguous(), mask, dq, dk, dv, is_causal=causal,
-            scale=scale, schedule=schedule, max_spin=max_spin, kernel=kernel_path,
-            window=seq_window))
-
-
 @varlen_attention_backward_op.register_kernel(("cpu", "cuda"))
 @unfilled()
 def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_q, cu_seq_k, max_q,
@@ -206,22 +155,17 @@ def _varlen_backward_kernel(grad_out, query, key, value, out, logsumexp, cu_seq_
     config.check_choices((schedule, max_spin, cpu_backend, kernel_path))
     window = packing.check_packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
                                   window_size, enable_gqa)
-    segments = _segments(query, key, cu_seq_q, cu_seq_k, max_q, max_k, cpu_backend, kernel_path)
+    segments = _segments(query, key, cu_seq_q, cu_seq_k, max_q, max_k, cpu_backend)
     # Laid out as the inputs (as SDPA's gradients are), so that autograd does not copy them to
     # the leaves' strides: a (T, H, D) view of (H, T, D) memory gets (H, T, D) gradients. The
-    # packed kernels write every element (keys without queries included); the per-sequence
-    # launches and the reference leave such keys alone.
+    # packed kernels write every element (keys without queries included); the reference leaves
+    # such keys alone.
     kernels = uses_triton(query, cpu_backend)
-    per_sequence = kernels and _per_sequence(query, kernel_path)
-    allocate = torch.empty_like if kernels and not per_sequence else torch.zeros_like
-    grads = tuple(allocate(t) for t in (query, key, value))
+    grads = tuple((torch.empty_like if kernels else torch.zeros_like)(t)
+                  for t in (query, key, value))
     if not kernels:
         reference_varlen.backward(grad_out, query, key, value, out, logsumexp, segments,
                                   _scale(query, scale), window, *grads)
-    elif per_sequence:
-        _per_sequence_backward(grad_out, query, key, value, out, logsumexp, segments,
-                               _scale(query, scale), window, grads, schedule, max_spin,
-                               kernel_path)
     else:
         from dash_inductor.ops import dispatch
 

@@ -73,17 +73,24 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
 
 
 def compile_forward(dtype: str, head_dim: int, causal: bool, group: int = 1,
-                    cfg: HopperForwardConfig | None = None):
+                    cfg: HopperForwardConfig | None = None, varlen: bool = False):
     """The compiled forward kernel for one variant, for sm90."""
     cfg = cfg or HopperForwardConfig()
-    constexprs = forward_constexprs(causal, group, cfg)
+    constexprs = forward_constexprs(causal, group, cfg, varlen)
     q_block = _descriptor(dtype, [1, 1, cfg.warpgroup_rows, head_dim])
     kv_block = _descriptor(dtype, [1, 1, cfg.block_n, head_dim])
     signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "o_desc": q_block,
-                 "LSE": "*fp32", "L": "i32", "S": "i32", "HQ": "i32", "qk_scale": "fp32"}
+                 "O": f"*{dtype}", "LSE": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
+    signature.update({name: "i32" for name in ("stride_oh", "stride_om", "L", "S", "HQ", "max_q",
+                                               "max_k")})
+    signature.update({"qk_scale": "fp32"})
     signature.update({name: "constexpr" for name in constexprs})
+    # As Triton specialises a launch: pointers 16-byte aligned, and the strides of (T, H, D)
+    # outputs, multiples of 16 elements at these head dims.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+             if kind.startswith("*") or name.startswith("stride")}
     source = GluonASTSource(forward_kernel, signature=signature, constexprs=constexprs,
-                            attrs={(4,): [["tt.divisibility", 16]]})
+                            attrs=attrs)
     return triton.compile(source, target=SM90, options={"num_warps": cfg.num_warps})
 
 
@@ -91,6 +98,7 @@ _PTX_FEATURES = {
     "wgmma": r"wgmma\.mma_async",
     "tma_loads": r"cp\.async\.bulk\.tensor\.[34]d\.shared::\w+\.global",
     "tma_stores": r"cp\.async\.bulk\.tensor\.[34]d\.global\.shared::",
+    "masked_stores": r"@%p\d+ st\.global\.v4\.b32",
     "setmaxnreg_inc": r"setmaxnreg\.inc",
     "setmaxnreg_dec": r"setmaxnreg\.dec",
     "dq_adds": r"red\.global\.gpu\.relaxed\.add\.v4\.f32",
@@ -138,9 +146,10 @@ RED_WRITER_VARIANTS = (("shift", False), ("descending", True))
 
 
 #: One variant of each of the kernels' code paths (dense, windowed, packed with the claimed deal
-#: and the tail conversion; d64 and d128), for compiling under another Triton quickly:
-#: (head dim, schedule or "forward", causal, window, varlen).
+#: and the tail conversion, the packed forward; d64 and d128), for compiling under another Triton
+#: quickly: (head dim, schedule or "forward", causal, window, varlen).
 FEW_VARIANTS = ((128, "forward", True, False, False), (64, "forward", False, False, False),
+                (64, "forward", True, False, True), (128, "forward", False, False, True),
                 (128, "descending", False, False, False), (64, "shift", True, False, False),
                 (128, "descending", True, True, False), (128, "shift", True, False, True),
                 (64, "ascending", False, False, True))
@@ -152,9 +161,9 @@ def variant_name(window: bool, varlen: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Compile every forward and dense backward variant of one dtype, and in bf16 MASKED_VARIANTS
-    and RED_WRITER_VARIANTS; print one JSON line per variant (``schedule`` is "forward" for the
-    forward kernel)."""
+    """Compile every forward variant (dense and packed) and dense backward variant of one dtype,
+    and in bf16 MASKED_VARIANTS and RED_WRITER_VARIANTS; print one JSON line per variant
+    (``schedule`` is "forward" for the forward kernel)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--dtype", choices=sorted(_GL_DTYPES), required=True)
     parser.add_argument("--few", action="store_true",
@@ -162,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.few:
         for head_dim, schedule, causal, window, varlen in FEW_VARIANTS:
-            compiled = (compile_forward(args.dtype, head_dim, causal) if schedule == "forward"
+            compiled = (compile_forward(args.dtype, head_dim, causal, group=4 if causal else 1,
+                                        varlen=varlen) if schedule == "forward"
                         else compile_backward(args.dtype, head_dim, schedule, causal,
                                               group=4 if causal else 1, even_s=not causal,
                                               window=window, varlen=varlen))
@@ -172,10 +182,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     for head_dim in HEAD_DIMS:
         for causal in (False, True):
-            compiled = compile_forward(args.dtype, head_dim, causal, group=2 if causal else 1)
-            key = dict(dtype=args.dtype, head_dim=head_dim, schedule="forward", causal=causal,
-                       variant="dense")
-            print(json.dumps({**key, **summary(compiled)}), flush=True)
+            for varlen in (False, True):
+                group = (4 if varlen else 2) if causal else 1
+                compiled = compile_forward(args.dtype, head_dim, causal, group=group,
+                                           varlen=varlen)
+                key = dict(dtype=args.dtype, head_dim=head_dim, schedule="forward",
+                           causal=causal, variant=variant_name(False, varlen))
+                print(json.dumps({**key, **summary(compiled)}), flush=True)
     backward_variants = [(schedule, causal, False, False) for schedule in NAMES
                          for causal in (False, True)]
     if args.dtype == "bf16":

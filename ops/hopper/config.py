@@ -118,9 +118,10 @@ class HopperForwardConfig:
         return self.block_m // 2
 
 
-def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig) -> dict[str, object]:
-    """The forward kernel's compile-time arguments for one launch."""
-    return dict(GROUP=group, CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig,
+                       varlen: bool = False) -> dict[str, object]:
+    """The forward kernel's compile-time arguments for one launch (``varlen``: packed sequences)."""
+    return dict(GROUP=group, CAUSAL=causal, VARLEN=varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 STAGES=cfg.stages, SOFTMAX_REGS=cfg.softmax_regs,
                 LOAD_REGS=cfg.load_regs, num_warps=cfg.num_warps)
 

@@ -17,6 +17,7 @@ from ..plan import Plan
 from ..shared.dq_convert import TileOrder, convert_dq
 from ..shared.dq_pass import launch_dq_pass
 from ..shared.errors import spin_flag, watch_spin_flag
+from ..shared.offsets_check import check_offsets
 from ..shared.preprocess import compute_delta, prepare, zeroed_tickets
 from ..shared.tiles import LOG2E
 from .backward import backward_kernel
@@ -117,26 +118,56 @@ def _readable(tensors: tuple[torch.Tensor, ...], copies: tuple[bool, ...]) -> tu
     return tuple(tma_copy(t) if copy else t for t, copy in zip(tensors, copies))
 
 
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """Packed (T, H, D) as the (1, H, T, D) view the descriptors read."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def _forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, packed: tuple | None, scale: float) -> None:
+    """One launch of the forward over (B, H, N, D) views; ``packed`` = (cu_seq_q, cu_seq_k,
+    max_q, max_k) for the VARLEN kernel, whose views are the packed tensors' ``_heads_first``."""
+    spec, cfg = plan.spec, plan.config
+    q, k, v = _readable((q, k, v), spec["copies"])
+    target = out
+    if spec["stage_out"]:  # written by TMA: through a contiguous buffer
+        out = torch.empty(out.shape, device=out.device, dtype=out.dtype)
+    cu_q, cu_k, max_q, max_k = packed or (lse, lse, 0, 0)
+    plan.launches("forward", forward_kernel, plan.grid, (
+        _descriptor(q, cfg.warpgroup_rows), _descriptor(k, cfg.block_n),
+        _descriptor(v, cfg.block_n), _descriptor(out, cfg.warpgroup_rows), out, lse, cu_q, cu_k,
+        out.stride(1), out.stride(2), q.shape[2], k.shape[2], q.shape[1], max_q, max_k,
+        scale * LOG2E), spec["constexprs"])
+    if out is not target:
+        target.copy_(out)
+
+
 def run_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: None, out: torch.Tensor, lse: torch.Tensor, scale: float,
                 dropout: None = None) -> None:
     """Write ``out`` and the contiguous fp32 (B, Hq, L) ``lse`` with the Hopper forward; the
     portable launcher's arguments, whose ``mask`` is None here (``support.unsupported_reason``)."""
-    spec, cfg = plan.spec, plan.config
     if not plan.grid:  # no program would have a key to wait for
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    q, k, v = _readable((q, k, v), spec["copies"])
-    target = out
-    if spec["stage_out"]:  # written by TMA: through a contiguous buffer
-        out = torch.empty(out.shape, device=out.device, dtype=out.dtype)
-    plan.launches("forward", forward_kernel, plan.grid, (
-        _descriptor(q, cfg.warpgroup_rows), _descriptor(k, cfg.block_n),
-        _descriptor(v, cfg.block_n), _descriptor(out, cfg.warpgroup_rows), lse, q.shape[2],
-        k.shape[2], q.shape[1], scale * LOG2E), spec["constexprs"])
-    if out is not target:
-        target.copy_(out)
+    _forward(plan, q, k, v, out, lse, None, scale)
+
+
+def run_varlen_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, scale: float) -> None:
+    """The packed-sequence forward (``ops/portable/packed.py``'s contract: (T, H, D) tensors,
+    ``lse`` the contiguous fp32 (Hq, Tq) that the packed backward reads) with the Hopper kernel,
+    in one launch that reads the offsets on the device, after their device check."""
+    max_q, max_k = plan.spec["max_lens"]
+    check_offsets(plan.launches, cu_seq_q, cu_seq_k, (q.shape[0], k.shape[0]), (max_q, max_k))
+    if not plan.grid:  # no key in the packing (or no query): every query row sees none
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
+    _forward(plan, *map(_heads_first, (q, k, v, out)), lse, (cu_seq_q, cu_seq_k, max_q, max_k),
+             scale)
 
 
 def _launch(plan: Plan, views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor | None,
@@ -225,8 +256,7 @@ def run_varlen_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: 
     num_seqs = cu_seq_q.numel() - 1
     n_q, n_kv = spec["tiles"]
     packed = (cu_seq_q, cu_seq_k, max_q, max_k)
-    heads_first = tuple(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, grad_out))
-    q4, k4, v4, do4 = _readable(heads_first, spec["copies"])
+    q4, k4, v4, do4 = _readable(tuple(map(_heads_first, (q, k, v, grad_out))), spec["copies"])
     dq_acc = None
     if not schedule.separate_dq:  # the ordered writer stores each row's first partial
         allocate = torch.empty if schedule.ordered else torch.zeros
@@ -238,19 +268,18 @@ def run_varlen_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: 
         keyless_rows=dq_acc if schedule.ordered else None, launches=plan.launches)
     in_kernel = spec["constexprs"]["TAIL_CONVERT"]
     tickets = zeroed_tickets(hq * tq + spec["counters"], q.device)
-    dk4, dv4 = (t.transpose(0, 1).unsqueeze(0) for t in (dk, dv))
+    dk4, dv4 = map(_heads_first, (dk, dv))
     _launch(plan, (q4, k4, v4, do4, dk4, dv4), stats, dq_acc, tickets, packed,
             prefix, (num_seqs, tq, tk, n_q, n_kv, tq, stats_stride), scale, max_spin,
             dq=dq if in_kernel else None)
     if schedule.separate_dq:
-        vq, vk, vv, vdo, vdq = (t.transpose(0, 1).unsqueeze(0).expand(num_seqs, -1, -1, -1)
+        vq, vk, vv, vdo, vdq = (_heads_first(t).expand(num_seqs, -1, -1, -1)
                                 for t in (q, k, v, grad_out, dq))
-        delta = compute_delta(*(t.transpose(0, 1).unsqueeze(0) for t in (out, grad_out)),
-                              plan.launches)
+        delta = compute_delta(*map(_heads_first, (out, grad_out)), plan.launches)
         launch_dq_pass(plan.launches, vq, vk, vv, vdo, lse, delta, None, vdq,
                        is_causal=spec["causal"], scale=scale, cfg=spec["dq_config"],
                        window=spec["window"], packed=packed)
     elif not in_kernel:
-        convert_dq(plan.launches, dq_acc, dq.transpose(0, 1).unsqueeze(0))
+        convert_dq(plan.launches, dq_acc, _heads_first(dq))
     if schedule.ordered:
         watch_spin_flag(spin_flag(q.device), plan)

@@ -118,14 +118,19 @@ def red_add_rows(ptrs, vals, keep):
         is_pure=False, pack=4)
 
 
+@gluon.constexpr_function
+def row_runs(cols, num_warps):
+    """The layout that moves a [rows, ``cols``] 16-bit tile between shared and global memory in
+    16-byte runs of a row, a warp over whole rows."""
+    return gl.BlockedLayout([1, 8], [32 // (cols // 8), cols // 8], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
 def zero_outside(buf, lo, hi, num_warps: gl.constexpr):
     """Zero the rows of shared tile ``buf`` outside [lo, hi), then make the stores visible to the
     MMAs (async proxy) of every warp of the partition."""
     ROWS: gl.constexpr = buf.shape[0]
-    COLS: gl.constexpr = buf.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (COLS // 8), COLS // 8], [num_warps, 1],
-                                            [1, 0])
+    layout: gl.constexpr = row_runs(buf.shape[1], num_warps)
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     tile = buf.load(layout)
     keep = gl.expand_dims((rows >= lo) & (rows < hi), 1)

@@ -7,11 +7,10 @@ variant over a virtual batch of N sequences, as if each were padded to ``max_q``
 programs read their sequence's bounds from the offsets on the device and do nothing past them, so
 the host never reads the offsets and a sequence's bits do not depend on what is packed beside it.
 Causal and window are aligned bottom-right per sequence (FlashAttention's varlen convention).
-The backward runs the Hopper kernel instead (``ops/hopper/``, the same virtual batch) where the
-dispatcher picks it; the forward is always the portable one.
+The Hopper kernels take the same virtual batch (``ops/hopper/``) where the dispatcher picks them.
 
-On CUDA a one-program kernel checks the offsets' contract (``ops/shared/offsets.py``) and raises
-through a flag of its own (``errors.watch_value_flag``): asynchronously, at a later launch or
+On CUDA a one-program kernel checks the offsets' contract (``ops/shared/offsets_check.py``) and
+raises through a flag of its own: asynchronously, at a later launch or
 ``errors.check_spin_flags``. The kernels treat a sequence whose bounds break the contract as
 empty, so they never touch memory outside the tensors meanwhile.
 """
@@ -19,67 +18,17 @@ empty, so they never touch memory outside the tensors meanwhile.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ..plan import Plan
-from ..shared import offsets
 from ..shared.device import head_dim_bucket
 from ..shared.dq_convert import convert_dq
 from ..shared.dq_pass import launch_dq_pass
-from ..shared.errors import spin_flag, watch_spin_flag, watch_value_flag
-from ..shared.launch import Launches, interpreting
+from ..shared.errors import spin_flag, watch_spin_flag
+from ..shared.launch import interpreting
+from ..shared.offsets_check import check_offsets
 from ..shared.preprocess import compute_delta, zeroed_tickets
 from .backward import launch_main
 from .forward import launch_forward
-
-_START, _ORDER = tl.constexpr(offsets.START), tl.constexpr(offsets.ORDER)
-_END, _LONGEST = tl.constexpr(offsets.END), tl.constexpr(offsets.LONGEST)
-_KEYS = tl.constexpr(offsets.KEYS)
-
-
-@triton.jit
-def _breaches(CU, n, total, max_len, BLOCK: tl.constexpr):
-    """Bits of the offsets' breaches (``ops/shared/offsets.py``) for ``n`` sequences."""
-    bad_order = tl.zeros([BLOCK], tl.int32)
-    too_long = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, n, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        inside = i < n
-        a = tl.load(CU + i, mask=inside, other=0)
-        b = tl.load(CU + i + 1, mask=inside, other=0)
-        bad_order = tl.maximum(bad_order, tl.where(inside & (b < a), 1, 0))
-        too_long = tl.maximum(too_long, tl.where(inside & (b - a > max_len), 1, 0))
-    return (tl.where(tl.load(CU) != 0, _START, 0) | (tl.max(bad_order, 0) * _ORDER)
-            | tl.where(tl.load(CU + n) != total, _END, 0) | (tl.max(too_long, 0) * _LONGEST))
-
-
-@triton.jit
-def _check_offsets_kernel(CU_Q, CU_K, FLAG, n, total_q, total_k, max_q, max_k,
-                          BLOCK: tl.constexpr):
-    code = (_breaches(CU_Q, n, total_q, max_q, BLOCK)
-            | (_breaches(CU_K, n, total_k, max_k, BLOCK) << _KEYS))
-    tl.store(FLAG, code.to(tl.int32))
-
-
-def offsets_flag(launches: Launches, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor,
-                 totals: tuple[int, int], max_lens: tuple[int, int]) -> torch.Tensor:
-    """The device check of the offsets: a one-element int32 tensor, 0 or the breaches' bits."""
-    flag = torch.zeros((1,), device=cu_seq_q.device, dtype=torch.int32)
-    launches("offsets", _check_offsets_kernel, (1,),
-             (cu_seq_q, cu_seq_k, flag, cu_seq_q.numel() - 1, *totals, *max_lens),
-             dict(BLOCK=1024))
-    return flag
-
-
-def check_offsets(launches: Launches, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor,
-                  totals: tuple[int, int], max_lens: tuple[int, int]) -> None:
-    """On CUDA, check the offsets' contract on the device, without a host sync: a breach raises
-    ``ValueError`` later (CPU offsets are checked on the host by the caller before it launches)."""
-    if cu_seq_q.device.type != "cuda":
-        return
-    flag = offsets_flag(launches, cu_seq_q, cu_seq_k, totals, max_lens)
-    watch_value_flag(flag, lambda code: ValueError(offsets.device_breach(code, totals, max_lens)))
 
 
 def virtual(t: torch.Tensor, num_seqs: int) -> torch.Tensor:

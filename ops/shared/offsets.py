@@ -1,6 +1,6 @@
 """The contract of packed-sequence offsets (``cu_seq_q``, ``cu_seq_k``) and the wording of each
 breach, shared by the host check (CPU tensors, ``dash_inductor/library/packing.py``) and the device check
-(CUDA, ``ops/portable/packed.py``), which reports breaches as bits of an error flag. Plain Python.
+(CUDA, ``offsets_check.py``), which reports breaches as bits of an error flag. Plain Python.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""GPU tests of dash.varlen_attention on both CUDA paths: the packed kernels (one launch per pass,
-offsets read on the device) and the per-sequence launches (``varlen._per_sequence`` picks one for
-users; every test here runs each): FlashAttention's accuracy rule against a float32 reference,
-100 bitwise repeats per deterministic schedule, packing invariance; and, for the packed kernels, no
-host synchronisation and the device check of the offsets raising asynchronously. bf16, documents
-of 512 to 8192 tokens packed to 16k.
+"""GPU tests of dash.varlen_attention on both CUDA paths, each one launch per pass that reads the
+offsets on the device: ``kernel="auto"`` (the portable packed forward, the Hopper packed backward
+for the ordered schedules) and ``kernel="hopper"`` (the Hopper packed forward and backward; every
+test here runs each, but the Hopper forward takes no window): FlashAttention's accuracy rule
+against a float32 reference, 100 bitwise repeats per deterministic schedule, packing invariance,
+no host synchronisation and the device check of the offsets raising asynchronously. bf16,
+documents of 512 to 8192 tokens packed to 16k. Then small packings of the Hopper packed forward
+alone: against float64, at both head dims, with GQA, sequences without queries or keys and causal
+rows that see no key, and a sequence's bits beside any neighbour, one full of NaN included.
 
 Only a GPU runs the programs concurrently, so only here are the ordered dQ waits of packed
 sequences really exercised.
@@ -17,8 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dash_inductor import config
-from dash_inductor.library import varlen
-from dash_inductor.ops.catalog import DETERMINISTIC
+from dash_inductor.ops.catalog import DETERMINISTIC, ORDERED
 from dash_inductor.ops.shared.errors import check_spin_flags
 from dash_inductor.testing import assert_flash_rule, low_precision_math_sdpa
 from dash_inductor.library.varlen import AuxRequest, varlen_attention
@@ -29,18 +31,21 @@ pytestmark = [pytest.mark.gpu,
 HQ, HKV, DIM = 8, 2, 128
 
 
-@pytest.fixture(params=["packed", "per_sequence"], autouse=True)
+@pytest.fixture(params=["auto", "hopper"], autouse=True)
 def cuda_path(request, monkeypatch):
-    """Every test runs on both CUDA paths of varlen_attention."""
-    monkeypatch.setattr(varlen, "_per_sequence",
-                        lambda query, kernel_path: request.param == "per_sequence")
+    """Every test runs on both CUDA paths of varlen_attention (``config.kernel``)."""
+    monkeypatch.setattr(config, "kernel", request.param)
     return request.param
 
 
-def _packed_only(cuda_path):
-    if cuda_path != "packed":
-        pytest.skip("a property of the packed kernels (the per-sequence path reads the offsets "
-                    "on the host)")
+def _skip_window(cuda_path, window):
+    if cuda_path == "hopper" and window not in ((-1, -1), (-1, 0)):
+        pytest.skip("the Hopper forward takes no sliding window (kernel='hopper' refuses it)")
+
+
+def _once(cuda_path, path):
+    if cuda_path != path:
+        pytest.skip(f"names its kernel path: runs once, under cuda_path {path!r}")
 
 # (query lengths, key lengths): self-attention documents packed to 16k, and cross packings with
 # more keys than queries and the reverse (bottom-right alignment), with empty sequences.
@@ -57,18 +62,17 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
                         device="cuda")
 
 
-def _inputs(lens_q, lens_k, seed=0):
+def _inputs(lens_q, lens_k, seed=0, dim=DIM, heads=(HQ, HKV)):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    tq, tk = sum(lens_q), sum(lens_k)
-    return tuple(torch.randn(t, h, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-                 for t, h in ((tq, HQ), (tk, HKV), (tk, HKV), (tq, HQ)))
+    (tq, tk), (hq, hkv) = (sum(lens_q), sum(lens_k)), heads
+    return tuple(torch.randn(t, h, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                 for t, h in ((tq, hq), (tk, hkv), (tk, hkv), (tq, hq)))
 
 
-def _ours(q, k, v, do, lens_q, lens_k, window, schedule, max_q=None, max_k=None,
-          kernel="auto"):
-    """(out, lse, dq, dk, dv) of varlen_attention."""
+def _ours(q, k, v, do, lens_q, lens_k, window, schedule, max_q=None, max_k=None, kernel=None):
+    """(out, lse, dq, dk, dv) of varlen_attention; ``kernel`` None: the test's cuda_path."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    with config.patch(schedule=schedule, kernel=kernel):
+    with config.patch(schedule=schedule, kernel=kernel or config.kernel):
         out, lse = varlen_attention(q, k, v, _offsets(lens_q), _offsets(lens_k),
                                     max_q or max(lens_q), max_k or max(lens_k),
                                     return_aux=AuxRequest(lse=True), window_size=window,
@@ -117,7 +121,8 @@ def _sdpa_sequences(q, k, v, do, lens_q, lens_k, window, dtype):
 
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("packing", PACKINGS)
-def test_flash_rule_every_schedule(packing, mask):
+def test_flash_rule_every_schedule(packing, mask, cuda_path):
+    _skip_window(cuda_path, MASKS[mask])
     lens_q, lens_k = PACKINGS[packing]
     q, k, v, do = _inputs(lens_q, lens_k)
     ref = _sdpa(q, k, v, do, lens_q, lens_k, MASKS[mask], torch.float32)
@@ -130,7 +135,8 @@ def test_flash_rule_every_schedule(packing, mask):
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
 @pytest.mark.parametrize("mask", ["causal", "causal_window_1k", "full"])
 @pytest.mark.parametrize("packing", PACKINGS)
-def test_bitwise_equal_over_100_repeats(packing, mask, schedule):
+def test_bitwise_equal_over_100_repeats(packing, mask, schedule, cuda_path):
+    _skip_window(cuda_path, MASKS[mask])
     lens_q, lens_k = PACKINGS[packing]
     q, k, v, do = _inputs(lens_q, lens_k, seed=1)
     first = _ours(q, k, v, do, lens_q, lens_k, MASKS[mask], schedule)
@@ -142,8 +148,9 @@ def test_bitwise_equal_over_100_repeats(packing, mask, schedule):
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
 @pytest.mark.parametrize("mask", ["causal", "window_300_200"])
 @pytest.mark.parametrize("packing", PACKINGS)
-def test_packing_invariance(packing, mask, schedule):
+def test_packing_invariance(packing, mask, schedule, cuda_path):
     """Each sequence's output, logsumexp and gradients: the same bits packed and alone."""
+    _skip_window(cuda_path, MASKS[mask])
     lens_q, lens_k = PACKINGS[packing]
     q, k, v, do = _inputs(lens_q, lens_k, seed=2)
     max_q, max_k = max(lens_q), max(lens_k)
@@ -165,8 +172,7 @@ def test_packing_invariance(packing, mask, schedule):
 def test_a_nan_stays_in_its_sequence(schedule, where, cuda_path):
     """A NaN in one sequence reaches that sequence's outputs and gradients only: sequences
     boundaries that are not tile boundaries put neighbours' rows in one tile, which the kernels
-    must keep apart (the Hopper backward zeroes them in shared memory)."""
-    _packed_only(cuda_path)
+    must keep apart (the Hopper kernels zero them in shared memory)."""
     lens = [1000, 700, 1300]
     q, k, v, do = _inputs(lens, lens, seed=3)
     clean = _ours(q, k, v, do, lens, lens, MASKS["causal"], schedule)
@@ -190,7 +196,7 @@ def test_gradients_are_written_in_full_on_poisoned_memory(schedule, mask, cuda_p
     stores each row's first dQ partial: on NaN-poisoned memory, with sequences without queries,
     without keys, and with more queries than keys, the gradients are the ones a first call gave,
     and finite."""
-    _packed_only(cuda_path)
+    _skip_window(cuda_path, MASKS[mask])
     lens_q, lens_k = PACKINGS["cross"]
     q, k, v, do = _inputs(lens_q, lens_k, seed=5)
     clean = _ours(q, k, v, do, lens_q, lens_k, MASKS[mask], schedule)
@@ -208,7 +214,6 @@ def test_a_gradient_whose_head_dim_is_not_contiguous_has_the_same_bits(cuda_path
     """A query that is a permuted view, its head dim outermost in memory, gets its gradient in
     the same layout (``empty_like``), which the packed kernel's own dQ conversion does not write
     (it writes contiguous rows): the launcher then converts apart, to the same bits."""
-    _packed_only(cuda_path)
     lens = PACKINGS["documents_16k"][0]
     q, k, v, do = _inputs(lens, lens)
     permuted = q.permute(2, 0, 1).contiguous().permute(1, 2, 0)
@@ -225,7 +230,7 @@ def test_the_portable_packed_backward_where_hopper_would_run(schedule, cuda_path
     """``kernel="portable"`` on a GPU where the Hopper kernels would run: the portable packed
     backward (dQ accumulated by its main kernel, then converted by ``ops/shared/dq_convert.py``) meets
     the accuracy rule, and its deterministic schedules repeat their bits."""
-    _packed_only(cuda_path)
+    _once(cuda_path, "auto")
     lens_q, lens_k = PACKINGS["cross"]
     q, k, v, do = _inputs(lens_q, lens_k, seed=5)
     window = MASKS["causal"]
@@ -245,7 +250,6 @@ def test_many_short_sequences_claim_their_items_safely(mask, cuda_path):
     current item starts, where a claim of the current item's own (sequence, KV head) would wait
     forever (``deal.py``). The spin flags stay clear, every repeat has the same bits, and the
     accuracy rule holds."""
-    _packed_only(cuda_path)
     gen = torch.Generator().manual_seed(7)
     lens = torch.randint(0, 401, (120,), generator=gen).tolist()
     q, k, v, do = _inputs(lens, lens, seed=4)
@@ -262,7 +266,6 @@ def test_many_short_sequences_claim_their_items_safely(mask, cuda_path):
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
 def test_no_host_synchronisation(schedule, cuda_path):
     """Forward and backward on CUDA never wait for the GPU (the offsets stay on the device)."""
-    _packed_only(cuda_path)
     lens = PACKINGS["documents_16k"][0]
     q, k, v, do = _inputs(lens, lens, seed=3)
     cu = _offsets(lens)
@@ -274,7 +277,12 @@ def test_no_host_synchronisation(schedule, cuda_path):
                                    enable_gqa=True)
         out.backward(do)
 
-    step()  # compiles, and allocates, outside the check
+    _without_sync(step)
+
+
+def _without_sync(step) -> None:
+    """Run ``step`` once to compile and allocate, then again with any host sync an error."""
+    step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -290,7 +298,6 @@ def test_no_host_synchronisation(schedule, cuda_path):
     ([0, 3, 7], 3, "max_q=3 is smaller than the longest sequence in cu_seq_q"),
 ])
 def test_broken_offsets_raise_asynchronously(cu_q, max_q, match, cuda_path):
-    _packed_only(cuda_path)
     q, k, v = (torch.randn(7, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu_k = torch.tensor([0, 3, 7] + [7] * (len(cu_q) - 3), dtype=torch.int32, device="cuda")
     varlen_attention(q, k, v, torch.tensor(cu_q, dtype=torch.int32, device="cuda"), cu_k,
@@ -301,3 +308,92 @@ def test_broken_offsets_raise_asynchronously(cu_q, max_q, match, cuda_path):
     out = varlen_attention(q, k, v, good, good, 4, 4)  # the next call is unaffected
     check_spin_flags(wait=True)
     assert out.isfinite().all()
+
+
+# Small packings for the Hopper packed forward: a sequence without queries, one without keys, one
+# token, more keys than queries, and more queries than keys (causal: its first 200 rows see none).
+SMALL = ([300, 0, 129, 64, 1, 517, 300], [300, 45, 0, 200, 1, 517, 100])
+HEADS = {"mha": (4, 4), "gqa4": (8, 2)}
+
+
+def _keyless_rows(lens_q, lens_k, window) -> torch.Tensor:
+    """Which packed query rows see no key."""
+    return torch.cat([~_keep(lq, lk, window).any(1) for lq, lk in zip(lens_q, lens_k)])
+
+
+def _lse64(q, k, lens_q, lens_k, window) -> torch.Tensor:
+    """The natural-log logsumexp (Hq, Tq) in float64; -inf where a row sees no key."""
+    group, scale = q.shape[1] // k.shape[1], q.shape[2] ** -0.5
+    rows, q0, k0 = [], 0, 0
+    for lq, lk in zip(lens_q, lens_k):
+        qs = q[q0:q0 + lq].double().transpose(0, 1)
+        ks = k[k0:k0 + lk].double().transpose(0, 1).repeat_interleave(group, 0)
+        s = (qs @ ks.transpose(1, 2) * scale).masked_fill(~_keep(lq, lk, window), float("-inf"))
+        rows.append(torch.logsumexp(s, -1))
+        q0, k0 = q0 + lq, k0 + lk
+    return torch.cat(rows, 1)
+
+
+@pytest.mark.parametrize("mask", ["full", "causal"])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_hopper_packed_forward_meets_the_flash_rule(dim, heads, mask, cuda_path):
+    """``kernel="hopper"``, forward and backward, against float64 under every ordered schedule
+    and ``auto``: rows that see no key get 0 and an lse of -inf, the others the float64 lse."""
+    _once(cuda_path, "hopper")
+    lens_q, lens_k = SMALL
+    window = MASKS[mask]
+    q, k, v, do = _inputs(lens_q, lens_k, seed=11, dim=dim, heads=HEADS[heads])
+    ref = _sdpa(q, k, v, do, lens_q, lens_k, window, torch.float64)
+    same = _sdpa(q, k, v, do, lens_q, lens_k, window, torch.bfloat16)
+    lse_ref = _lse64(q, k, lens_q, lens_k, window).float()
+    keyless = _keyless_rows(lens_q, lens_k, window)
+    for schedule in ("auto", *ORDERED):
+        out, lse, *grads = _ours(q, k, v, do, lens_q, lens_k, window, schedule)
+        assert_flash_rule((out, *grads), same, ref, what=f"d{dim} {heads} {mask} {schedule}")
+        assert not out[keyless].any() and (lse[:, keyless] == float("-inf")).all()
+        torch.testing.assert_close(lse, lse_ref, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mask", ["full", "causal"])
+@pytest.mark.parametrize("dim, heads", [(64, "mha"), (128, "gqa4")])
+def test_hopper_packed_sequence_bits_do_not_depend_on_neighbours(dim, heads, mask, cuda_path):
+    """Under ``kernel="hopper"`` a sequence's out, lse and gradients are the same bits alone,
+    between two neighbours, and between neighbours whose q, k, v and dO are all NaN; its edges
+    are no tile edges, so its boxes hold its neighbours' rows."""
+    _once(cuda_path, "hopper")
+    window, lens_before, lens_after = MASKS[mask], ([77], [130]), ([130], [77])
+    neighbours = (_inputs(*lens_before, seed=13, dim=dim, heads=HEADS[heads]),
+                  _inputs(*lens_after, seed=14, dim=dim, heads=HEADS[heads]))
+    poisoned = tuple(tuple(torch.full_like(t, float("nan")) for t in side) for side in neighbours)
+    for lq, lk in ((333, 333), (150, 333), (333, 150)):
+        mine = _inputs([lq], [lk], seed=12, dim=dim, heads=HEADS[heads])
+        lens_q, lens_k = [77, lq, 130], [130, lk, 77]
+        rows, cols = slice(77, 77 + lq), slice(130, 130 + lk)
+        for schedule in ("auto", "ascending"):
+            alone = _ours(*mine, [lq], [lk], window, schedule, max(lens_q), max(lens_k))
+            for before, after in (neighbours, poisoned):
+                packed = [torch.cat(parts) for parts in zip(before, mine, after)]
+                got = _ours(*packed, lens_q, lens_k, window, schedule)
+                parts = (got[0][rows], got[1][:, rows], got[2][rows], got[3][cols], got[4][cols])
+                for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), parts, alone):
+                    assert torch.equal(a, b), (f"({lq}, {lk}) {name} {schedule}: differs beside "
+                                               f"{'NaN ' if before is poisoned[0] else ''}"
+                                               f"neighbours")
+
+
+@pytest.mark.parametrize("mask", ["full", "causal"])
+@pytest.mark.parametrize("dim, heads", [(64, "mha"), (128, "gqa4")])
+def test_hopper_packed_pass_without_host_sync(dim, heads, mask, cuda_path):
+    _once(cuda_path, "hopper")
+    lens_q, lens_k = SMALL
+    q, k, v, do = _inputs(lens_q, lens_k, seed=15, dim=dim, heads=HEADS[heads])
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def step():
+        out = varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                               window_size=MASKS[mask], enable_gqa=True)
+        out.backward(do)
+
+    _without_sync(step)
