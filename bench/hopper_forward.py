@@ -5,8 +5,8 @@
 Accuracy: FlashAttention's rule on ``out`` (``dash_inductor.testing``), the logsumexp against
 float32, and the whole step (Hopper forward, then the Hopper ``shift`` backward) on the gradients;
 determinism: bitwise equal outputs over repeats; timing: forward TFLOP/s (4*B*H*N^2*D, halved when
-causal) of the Hopper forward (each tile config), the portable forward, and SDPA's cuDNN and
-FlashAttention-2 backends.
+causal) of the Hopper forward (each tile config; at head dim 64 also ``THREE_WARPGROUPS``, "hopper
+3wg", checked and timed), the portable forward, and SDPA's cuDNN and FlashAttention-2 backends.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dash_inductor.ops import attention_backward, attention_forward
-from dash_inductor.ops.hopper.config import HopperForwardConfig
+from dash_inductor.ops.hopper.config import THREE_WARPGROUPS, HopperForwardConfig
 from dash_inductor.testing import flash_rule_errors, sdpa_math_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,12 +61,20 @@ def check(shapes, repeats, log):
             ref = sdpa_math_reference(q, k, v, do, torch.float32, **kwargs)
             same = sdpa_math_reference(q, k, v, do, q.dtype, **kwargs)
             lse_ref = _lse_reference(q, k, causal)
-            for path in ("hopper", "portable"):
-                out, lse = _run(path, q, k, v, causal)
+            paths = [("hopper", None), ("portable", None)]
+            if shape[-1] == 64:
+                paths.append(("hopper", THREE_WARPGROUPS))
+            for path, cfg in paths:
+                out, lse = _run(path, q, k, v, causal, cfg)
                 (err,) = flash_rule_errors([out], [same[0]], [ref[0]], names=("out",))
                 lse_err = (lse - lse_ref).abs().max().item()
                 ok &= err.ok and lse_err <= 1e-3
-                log(f"accuracy {shape} causal={causal} {path:8s} {err}  lse {lse_err:.2e}")
+                name = path + (" 3wg" if cfg else "")
+                log(f"accuracy {shape} causal={causal} {name:12s} {err}  lse {lse_err:.2e}")
+                if cfg is not None:
+                    same_bits = repeats_bitwise(lambda: _run(path, q, k, v, causal, cfg), repeats)
+                    ok &= same_bits
+                    log(f"bitwise {shape} causal={causal} {name} {repeats} repeats: {same_bits}")
             out, lse = _run("hopper", q, k, v, causal)
             grads = [torch.empty_like(t) for t in (q, k, v)]
             attention_backward(do, q, k, v, out, lse, None, *grads, is_causal=causal,
@@ -99,6 +107,9 @@ def time_forward(shapes, log):
                 if shared <= 227 * 1024 and f"hopper n{block_n} s{stages}" not in row:
                     row[f"hopper n{block_n} s{stages}"] = bench(
                         lambda: _run("hopper", q, k, v, causal, cfg))
+            if shape[-1] == 64:
+                row["hopper 3wg"] = bench(lambda: _run("hopper", q, k, v, causal,
+                                                       THREE_WARPGROUPS))
             row["portable"] = bench(lambda: _run("portable", q, k, v, causal))
             for name, backend in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
                                   ("sdpa flash", SDPBackend.FLASH_ATTENTION)):

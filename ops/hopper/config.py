@@ -100,14 +100,16 @@ def backward_config(head_dim: int, causal: bool, packed: bool = False) -> Hopper
 
 @dataclass(frozen=True)
 class HopperForwardConfig:
-    """Tile shape of the warp-specialized forward: ``block_m`` query rows per program (half for each
-    of the two softmax warpgroups), ``block_n`` keys per KV tile, ``stages`` K/V buffers (three fit
-    beside the Q tile at both head dims and beat two); registers per worker partition
-    (setmaxnreg); ``num_warps`` of each softmax partition."""
+    """Tile shape of the warp-specialized forward: ``block_m`` query rows per program, split over
+    ``softmax_groups`` softmax warpgroups (two, or three with 192 rows as FlashAttention-3's
+    head-dim-64 tile: :data:`THREE_WARPGROUPS`), ``block_n`` keys per KV tile, ``stages`` K/V
+    buffers (three fit beside the Q tile at both head dims and beat two); registers per worker
+    partition (setmaxnreg); ``num_warps`` of each softmax partition."""
 
     block_m: int = 128
     block_n: int = 128
     stages: int = 3
+    softmax_groups: int = 2
     softmax_regs: int = 240
     load_regs: int = 24
     num_warps: int = 4
@@ -115,7 +117,16 @@ class HopperForwardConfig:
     @property
     def warpgroup_rows(self) -> int:
         """Query rows of one softmax warpgroup: the rows of a Q or O TMA box."""
-        return self.block_m // 2
+        return self.block_m // self.softmax_groups
+
+
+#: Three softmax warpgroups of 64 rows: each K/V tile loaded serves 192 rows instead of 128. The
+#: loader's warp counts as a warpgroup, so each gets about 160 registers: with 128-key tiles ptxas
+#: spills (160) or serializes the wgmma (168); 64-key tiles fit, four stages of them. A candidate for
+#: head dim 64, where the forward trails FlashAttention-4's most (dense only); not yet measured on a
+#: GPU.
+THREE_WARPGROUPS = HopperForwardConfig(block_m=192, block_n=64, stages=4, softmax_groups=3,
+                                       softmax_regs=160)
 
 
 def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig,

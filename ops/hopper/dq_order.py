@@ -62,7 +62,7 @@ def flat_box(block_m: int, head_d: int) -> tuple[int, int]:
 
 @builtin
 def as_flat(buf, desc, _semantic=None):
-    """Staged tile ``buf`` as the flat box of ``desc`` (``reinterpret``; ``_reinterpret`` until
+    """Staged tile ``buf`` as the flat box of ``desc`` (``reinterpret``; ``_reinterpret`` in
     Triton 3.6)."""
     view = getattr(buf, "reinterpret", None) or buf._reinterpret
     return view(gl.float32, desc.block_type.shape, desc.layout, _semantic=_semantic)

@@ -2,16 +2,17 @@
 
 Three partitions (the split of FlashAttention-3's forward, Shah et al. 2024):
 
-- ``_load_partition`` (1 warp): TMA loads of the program's two Q halves once, then of K and V tile
+- ``_load_partition`` (1 warp): TMA loads of the program's Q parts once, then of K and V tile
   by tile through a ring of shared-memory stages; K and V have barriers of their own, so
   S = Q K^T can start before V has landed.
-- ``_softmax_partition``, twice (one warpgroup each, 64 query rows each): the online softmax of
+- ``_softmax_partition``, two or three times (one warpgroup each, 64 query rows each; three as
+  FlashAttention-3's head-dim-64 tile, so a K/V tile serves 192 rows): the online softmax of
   FlashAttention-2 in the exp2 domain with wgmma. Each step issues the next tile's S = Q K^T and
   the previous tile's O += P V together, and computes the next tile's softmax while P V runs
-  (FlashAttention-3's intra-warpgroup overlap). The two warpgroups meet only at the K/V ring, so
-  one's softmax runs while the other's MMAs hold the tensor cores without the explicit turn-taking
-  of FlashAttention-3's ping-pong (measured no faster here: docs/kernels-notes.md). Each stores its
-  half of O through shared memory by TMA.
+  (FlashAttention-3's intra-warpgroup overlap). The warpgroups meet only at the K/V ring, so one's
+  softmax runs while another's MMAs hold the tensor cores without the explicit turn-taking of
+  FlashAttention-3's ping-pong (measured no faster here: docs/kernels-notes.md). Each stores its
+  part of O through shared memory by TMA.
 
 Causal attention (top-left, as the portable kernel) visits the KV tiles up to the diagonal, the
 longest Q tiles first, and masks only the tiles that reach past a row's diagonal or past S.
@@ -68,21 +69,23 @@ def _tile_coords(CU_Q, CU_K, L, S, HQ, max_q, max_k, GROUP: gl.constexpr,
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
-                    kv_empty, CU_Q, CU_K, L, S, HQ, max_q, max_k, GROUP: gl.constexpr,
-                    CAUSAL: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr):
+def _load_partition(loads, GROUP: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+                    BLOCK_M: gl.constexpr):
+    (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, CU_Q,
+     CU_K, L, S, HQ, max_q, max_k) = loads
     STAGES: gl.constexpr = k_bufs.shape[0]
-    HALF_M: gl.constexpr = q_bufs.shape[1]
+    PART_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
     HEAD_D: gl.constexpr = q_bufs.shape[2]
     m, b, h, h_kv, q0, _, k0, _, _, n_tiles = _tile_coords(CU_Q, CU_K, L, S, HQ, max_q, max_k,
                                                            GROUP, BLOCK_M, BLOCK_N, CAUSAL,
                                                            VARLEN)
+    PARTS: gl.constexpr = q_bufs.shape[0]
     batch = tma_batch(b, VARLEN)
-    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-    for half in gl.static_range(2):
-        tma_load(q_desc, [batch, h, q0 + m * BLOCK_M + half * HALF_M, 0], q_ready,
-                 q_bufs.index(half).reshape([1, 1, HALF_M, HEAD_D]))
+    mbarrier.expect(q_ready, PARTS * q_desc.block_type.nbytes)
+    for part in gl.static_range(PARTS):
+        tma_load(q_desc, [batch, h, q0 + m * BLOCK_M + part * PART_M, 0], q_ready,
+                 q_bufs.index(part).reshape([1, 1, PART_M, HEAD_D]))
     for j in range(n_tiles):
         s = j % STAGES
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
@@ -143,13 +146,14 @@ def _store_rows(values, O, row, n_rows, h, stride_oh, stride_om):
 
 
 @gluon.jit
-def _softmax_partition(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, v_clear,
-                       o_desc, O, LSE, CU_Q, CU_K, stride_oh, stride_om, L, S, HQ, max_q,
-                       max_k, qk_scale, HALF: gl.constexpr, GROUP: gl.constexpr,
-                       CAUSAL: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr,
-                       num_warps: gl.constexpr):
+def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                       VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+    """Rows [PART * PART_M, (PART + 1) * PART_M) of the program's Q tile; ``shared``: the
+    kernel's buffers, barriers and arguments, the same for every softmax warpgroup."""
+    (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, v_clear, o_desc, O, LSE, CU_Q,
+     CU_K, stride_oh, stride_om, L, S, HQ, max_q, max_k, qk_scale) = shared
     STAGES: gl.constexpr = k_bufs.shape[0]
-    HALF_M: gl.constexpr = q_bufs.shape[1]
+    PART_M: gl.constexpr = q_bufs.shape[1]
     HEAD_D: gl.constexpr = q_bufs.shape[2]
     BLOCK_N: gl.constexpr = k_bufs.shape[1]
     KEYLESS: gl.constexpr = VARLEN and CAUSAL  # bottom-right: with L > S the first rows see none
@@ -161,17 +165,17 @@ def _softmax_partition(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_emp
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    q_smem = q_bufs.index(HALF)
+    q_smem = q_bufs.index(PART)
     m, b, h, _, q0, seq_l, _, seq_s, diag, n_tiles = _tile_coords(
         CU_Q, CU_K, L, S, HQ, max_q, max_k, GROUP, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)
-    row0 = m * BLOCK_M + HALF * HALF_M
-    rows = row0 + gl.arange(0, HALF_M, layout=row_layout)
+    row0 = m * BLOCK_M + PART * PART_M
+    rows = row0 + gl.arange(0, PART_M, layout=row_layout)
     diagonal = rows + diag
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     mask_from = seq_s // BLOCK_N  # the first tile with keys past S (none when S is a tile multiple)
     if CAUSAL:  # (a negative diagonal, bottom-right, masks every tile)
         mask_from = gl.minimum(mask_from, (row0 + diag) // BLOCK_N)
-    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    s_zero = gl.zeros([PART_M, BLOCK_N], gl.float32, layout=s_layout)
 
     mbarrier.wait(q_ready, 0)
     mbarrier.wait(k_ready.index(0), 0)
@@ -181,7 +185,7 @@ def _softmax_partition(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_emp
     m_i = _row_max(gl.max(s, 1), KEYLESS)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_i * qk_scale, 1))
     l_i = gl.sum(p, 1)
-    acc = gl.zeros([HALF_M, HEAD_D], gl.float32, layout=o_layout)
+    acc = gl.zeros([PART_M, HEAD_D], gl.float32, layout=o_layout)
     for j in range(1, n_tiles):
         st = j % STAGES
         prev = (j - 1) % STAGES
@@ -207,7 +211,7 @@ def _softmax_partition(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_emp
     if VARLEN:  # only the last tile reaches past the sequence's keys: into a neighbour's values
         first_key = (n_tiles - 1) * BLOCK_N
         if crosses_edge(first_key, BLOCK_N, 0, seq_s):
-            if HALF == 0:  # one warpgroup clears the rows, the other waits for them
+            if PART == 0:  # one warpgroup clears the rows, the others wait for them
                 zero_outside(v_last, 0, seq_s - first_key, num_warps)
                 mbarrier.arrive(v_clear, count=1)
             else:
@@ -221,12 +225,12 @@ def _softmax_partition(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_emp
     if KEYLESS:  # a row that saw no key: l_i = 0, acc = 0, so out 0 (and lse -inf: m_i is 0)
         total = gl.where(l_i == 0.0, 1.0, l_i)
     out = acc / gl.expand_dims(gl.convert_layout(total, gl.SliceLayout(1, o_layout)), 1)
-    q_smem.store(out.to(dtype))  # this half of Q is no longer read: it stages O for the store
+    q_smem.store(out.to(dtype))  # this part of Q is no longer read: it stages O for the store
     fence_async_shared()
     partition_barrier()
-    o_box = q_smem.reshape([1, 1, HALF_M, HEAD_D])
+    o_box = q_smem.reshape([1, 1, PART_M, HEAD_D])
     if VARLEN:
-        if crosses_edge(row0, HALF_M, 0, seq_l):
+        if crosses_edge(row0, PART_M, 0, seq_l):
             _store_rows(q_smem.load(row_runs(HEAD_D, num_warps)), O, q0 + row0, seq_l - row0, h,
                         stride_oh, stride_om)
         else:
@@ -262,11 +266,15 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, stride_oh
 
     The descriptors are rank 4, over (B, H, N, D) in the tensors' own strides (VARLEN: the packed
     tensors as (1, H, T, D), L = Tq and S = Tk; ``O`` with its head and row strides for the
-    masked stores); ``q_desc`` and ``o_desc`` boxes hold half a Q tile (one warpgroup's rows)."""
+    masked stores); ``q_desc`` and ``o_desc`` boxes hold one softmax warpgroup's rows, a half
+    or a third of the Q tile."""
     dtype: gl.constexpr = q_desc.dtype
-    HALF_M: gl.constexpr = q_desc.block_type.shape[2]
+    PART_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
-    gl.static_assert(2 * HALF_M == BLOCK_M, "the Q/O descriptors' box is half a Q tile")
+    PARTS: gl.constexpr = BLOCK_M // PART_M
+    gl.static_assert(PARTS * PART_M == BLOCK_M and (PARTS == 2 or PARTS == 3),
+                     "the Q/O descriptors' box is a half or a third of the Q tile")
+    gl.static_assert(PARTS == 2 or not VARLEN, "packed sequences take two softmax warpgroups")
     if VARLEN:
         m, b, h, _, q0, seq_l, _, _, _, n_tiles = _tile_coords(
             CU_Q, CU_K, L, S, HQ, max_q, max_k, GROUP, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)
@@ -276,10 +284,10 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, stride_oh
             _store_keyless(O, LSE, q0, seq_l, m * BLOCK_M, b, h, stride_oh, stride_om, HQ, L,
                            BLOCK_M, HEAD_D, num_warps)
             return
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_D], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PART_M, HEAD_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_bufs = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_D], q_layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [PARTS, PART_M, HEAD_D], q_layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -288,24 +296,28 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, stride_oh
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     mbarrier.init(q_ready, count=1)
     v_clear = q_ready  # dense: never touched
-    if VARLEN:  # a packed tile's value rows past its sequence are cleared once for both halves
+    if VARLEN:  # a packed tile's value rows past its sequence are cleared once for all parts
         v_clear = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         mbarrier.init(v_clear, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per softmax warpgroup
+        mbarrier.init(kv_empty.index(i), count=PARTS)  # one arrival per softmax warpgroup
 
-    gl.warp_specialize([
-        (_softmax_partition, (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty,
-                              v_clear, o_desc, O, LSE, CU_Q, CU_K, stride_oh, stride_om, L, S,
-                              HQ, max_q, max_k, qk_scale, 0, GROUP, CAUSAL, VARLEN, BLOCK_M,
-                              num_warps)),
-        (_softmax_partition, (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty,
-                              v_clear, o_desc, O, LSE, CU_Q, CU_K, stride_oh, stride_om, L, S,
-                              HQ, max_q, max_k, qk_scale, 1, GROUP, CAUSAL, VARLEN, BLOCK_M,
-                              num_warps)),
-        (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready,
-                           v_ready, kv_empty, CU_Q, CU_K, L, S, HQ, max_q, max_k, GROUP, CAUSAL,
-                           VARLEN, BLOCK_M)),
-    ], [num_warps, 1], [SOFTMAX_REGS, LOAD_REGS])
+    shared = (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, v_clear, o_desc, O, LSE,
+              CU_Q, CU_K, stride_oh, stride_om, L, S, HQ, max_q, max_k, qk_scale)
+    loads = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty,
+             CU_Q, CU_K, L, S, HQ, max_q, max_k)
+    if PARTS == 2:
+        gl.warp_specialize([
+            (_softmax_partition, (shared, 0, GROUP, CAUSAL, VARLEN, BLOCK_M, num_warps)),
+            (_softmax_partition, (shared, 1, GROUP, CAUSAL, VARLEN, BLOCK_M, num_warps)),
+            (_load_partition, (loads, GROUP, CAUSAL, VARLEN, BLOCK_M)),
+        ], [num_warps, 1], [SOFTMAX_REGS, LOAD_REGS])
+    else:
+        gl.warp_specialize([
+            (_softmax_partition, (shared, 0, GROUP, CAUSAL, VARLEN, BLOCK_M, num_warps)),
+            (_softmax_partition, (shared, 1, GROUP, CAUSAL, VARLEN, BLOCK_M, num_warps)),
+            (_softmax_partition, (shared, 2, GROUP, CAUSAL, VARLEN, BLOCK_M, num_warps)),
+            (_load_partition, (loads, GROUP, CAUSAL, VARLEN, BLOCK_M)),
+        ], [num_warps, num_warps, 1], [SOFTMAX_REGS, SOFTMAX_REGS, LOAD_REGS])

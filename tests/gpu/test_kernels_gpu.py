@@ -15,7 +15,7 @@ import dash_inductor
 from dash_inductor.ops import attention_backward, attention_forward
 from dash_inductor.ops import catalog
 from dash_inductor.ops.catalog import DETERMINISTIC, ORDERED
-from dash_inductor.ops.hopper.config import HEAD_DIMS
+from dash_inductor.ops.hopper.config import HEAD_DIMS, THREE_WARPGROUPS
 from dash_inductor.ops.shared.errors import LOOK_EVERY, check_spin_flags
 from dash_inductor.pytest_plugin import deterministic_algorithms_mode
 from dash_inductor.testing import assert_flash_rule, sdpa_math_reference
@@ -50,10 +50,7 @@ def _ours(q, k, v, do, causal, schedule, max_spin=1 << 26):
     scale = q.shape[-1] ** -0.5
     out = torch.empty_like(do)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
-    if KERNEL == "hopper":  # the Gluon forward too, whether or not dispatch runs it yet
-        attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale, kernel=KERNEL)
-    else:
-        attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale, kernel=KERNEL)
+    attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale, kernel=KERNEL)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal, scale=scale,
                        schedule=schedule, max_spin=max_spin, kernel=KERNEL)
@@ -79,6 +76,35 @@ def test_flash_rule_every_schedule(shape, causal, dtype):
     same = _sdpa_math(q, k, v, do, causal, dtype)
     for schedule in catalog.NAMES:
         assert_flash_rule(_ours(q, k, v, do, causal, schedule), same, ref, what=schedule)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 8, 8, 1000, 64), (1, 8, 2, 777, 64)], ids=str)
+def test_the_three_warpgroup_forward_follows_the_flash_rule_with_the_same_bits(shape, causal):
+    """The 192-row Hopper forward (``THREE_WARPGROUPS``, a head-dim-64 candidate): out by
+    FlashAttention's rule, the logsumexp within 1e-3 of float32's, the same bits over 20 repeats;
+    rows not a multiple of 192, GQA."""
+    if KERNEL != "hopper":
+        pytest.skip("a Hopper forward config")
+    q, k, v, do = _inputs(*shape, seed=3)
+
+    def run():
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+        attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=shape[-1] ** -0.5,
+                          kernel="hopper", config=THREE_WARPGROUPS)
+        return out, lse
+
+    out, lse = run()
+    ref, same = (_sdpa_math(q, k, v, do, causal, dtype)[0] for dtype in (torch.float32, q.dtype))
+    assert_flash_rule([out], [same], [ref], names=("out", ), what="three warpgroups")
+    keys = k.float().repeat_interleave(shape[1] // shape[2], 1)
+    scores = (q.float() @ keys.transpose(-1, -2)) * shape[-1] ** -0.5
+    if causal:
+        scores = scores.masked_fill(~torch.ones_like(scores, dtype=torch.bool).tril(), -torch.inf)
+    assert (lse - torch.logsumexp(scores, -1)).abs().max().item() <= 1e-3
+    for _ in range(20):
+        assert all(map(torch.equal, run(), (out, lse)))
 
 
 BITWISE_SHAPES = [(2, 8, 8, 1024, 64), (1, 16, 16, 4096, 128), (2, 16, 4, 2048, 128)]
