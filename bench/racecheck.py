@@ -44,12 +44,13 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import os
-import re
 import signal
 import sys
 import time
 import traceback
 from dataclasses import dataclass
+
+from racecheck_triage import triage  # noqa: E402 -- bench/ is on the path when run
 
 
 @dataclass(frozen=True)
@@ -268,108 +269,6 @@ def run_variant(v: Variant, sz: Sizes, device: str, repeat: int, check: bool) ->
                      f"accuracy ok (worst {worst.name}: {worst.error:.2g}, rule's bound "
                      f"{worst.bound:.2g}, slack {slack[worst.name]:.2g})")
     return not failed, ", ".join(notes)
-
-
-# ---------------------------------------------------------------------------------------------
-# Triage of a racecheck log
-
-
-_HAZARD = re.compile(r"Potential (\w+) hazard detected at __shared__ (0x[0-9a-fA-F]+) in block "
-                     r"\(([^)]*)\)")
-_ACCESS = re.compile(r"(Read|Write) Thread \(([^)]*)\) at (\S+) in (\S+?):(\d+)")
-
-
-def _lines_with(path, snippet: str) -> set[int]:
-    return {n for n, text in enumerate(path.read_text().splitlines(), 1) if snippet in text}
-
-
-def known_handoffs() -> list[tuple[str, dict[str, set[int]], dict[str, set[int]], int]]:
-    """The hand-offs whose racecheck hazards are known false positives (docs/racecheck.md),
-    as (what, lines of the first access by file, lines of the second by file, widest span of
-    addresses in bytes), found in the installed sources (so line numbers follow edits; a rewrite
-    of a line makes its hazards UNKNOWN, the safe side):
-
-    - Triton's warp-specialization state bytes: stored by the default warps before each region
-      and before the exit (at the kernel's ``def`` line and its ``gl.warp_specialize(`` line), read
-      by the worker warps in the switch loop (the ``def`` line); ordered by ``barrier.sync 1``.
-    - The dQ partial: stored by the compute warps (``dq_bufs.index(d).store``), read from shared
-      memory by the writer (``buf.slice(r, ROWS, dim=0).load``: packed sub-tiles that cross an
-      edge, and the red.v4 writer); ordered by the named barrier (``bar.arrive`` / ``bar.sync``)
-      or the ``dq_ready`` mbarrier.
-    """
-    import ast
-    import pathlib
-
-    from dash_inductor.ops import hopper
-
-    folder = pathlib.Path(hopper.__file__).parent
-    state: dict[str, set[int]] = {}
-    for path in sorted(folder.glob("*.py")):
-        for fn in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(fn, ast.FunctionDef):
-                continue
-            calls = [c.lineno for c in ast.walk(fn) if isinstance(c, ast.Call)
-                     and isinstance(c.func, ast.Attribute) and c.func.attr == "warp_specialize"]
-            if calls:
-                state.setdefault(path.name, set()).update({fn.lineno, *calls})
-    partial_store = {"backward.py": _lines_with(folder / "backward.py", "dq_bufs.index(d).store(")}
-    partial_load = {"dq_writer.py": _lines_with(folder / "dq_writer.py",
-                                                "buf.slice(r, ROWS, dim=0).load(")}
-    # The state is one byte per worker warp (at most 16 warps a CTA besides the default's); a dQ
-    # partial is BLOCK_M x D fp32 (at most 128 x 128).
-    return [("Triton's warp_specialize state bytes, ordered by barrier.sync 1", state, state, 16),
-            ("dQ partial hand-off, ordered by the named barrier or dq_ready", partial_store,
-             partial_load, 128 * 128 * 4)]
-
-
-def triage(log_path: str) -> int:
-    """Group a ``--racecheck-report hazard`` log's hazards by (kind, first access, second access)
-    and say which are known false positives (``known_handoffs``; docs/racecheck.md). Exit
-    status 1 if any other hazard is there."""
-    known = known_handoffs()
-    groups: dict[tuple, dict] = {}
-    hazard = None
-    with open(log_path, errors="replace") as log:
-        for line in log:
-            head = _HAZARD.search(line)
-            if head:
-                hazard = {"kind": head.group(1), "address": int(head.group(2), 16),
-                          "block": head.group(3).replace(" ", ""), "accesses": []}
-                continue
-            access = _ACCESS.search(line)
-            if hazard is None or not access:
-                continue
-            hazard["accesses"].append((access.group(1), access.group(2).replace(" ", ""),
-                                       access.group(3), access.group(4).rsplit("/", 1)[-1],
-                                       int(access.group(5))))
-            if len(hazard["accesses"]) == 2:
-                first, second = hazard["accesses"]
-                key = (hazard["kind"], first[0], first[2], first[3], first[4], second[0],
-                       second[2], second[3], second[4])
-                group = groups.setdefault(key, {"count": 0, "addresses": set(), "blocks": set(),
-                                                "threads": set()})
-                group["count"] += 1
-                group["addresses"].add(hazard["address"])
-                group["blocks"].add(hazard["block"])
-                group["threads"].add((first[1], second[1]))
-                hazard = None
-    unknown = 0
-    total = sum(g["count"] for g in groups.values())
-    print(f"# {log_path}: {total} hazards in {len(groups)} groups")
-    for key, g in sorted(groups.items(), key=lambda kv: -kv[1]["count"]):
-        kind, kind1, pc1, file1, line1, kind2, pc2, file2, line2 = key
-        span = max(g["addresses"]) - min(g["addresses"])
-        what = next((what for what, first, second, widest in known
-                     if line1 in first.get(file1, ()) and line2 in second.get(file2, ())
-                     and span < widest), None)
-        unknown += what is None
-        threads = sorted(g["threads"])[:4]
-        print(f"{'known  ' if what else 'UNKNOWN'} {g['count']:6d} {kind} {kind1} {pc1} "
-              f"({file1}:{line1}) / {kind2} {pc2} ({file2}:{line2}); addresses "
-              f"{', '.join(hex(a) for a in sorted(g['addresses'])[:4])}"
-              f"{', ...' if len(g['addresses']) > 4 else ''}; {len(g['blocks'])} blocks; "
-              f"threads {threads}" + (f"  [{what}]" if what else ""))
-    return 1 if unknown else 0
 
 
 def main(argv: list[str] | None = None) -> int:
