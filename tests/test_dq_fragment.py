@@ -19,44 +19,45 @@ from dash_inductor.ops.hopper.launch import _fragment_order
 from dash_inductor.ops.shared.dq_convert import convert_dq
 from dash_inductor.ops.shared.launch import Launches
 
-#: (block_m, head dim) of the dense configs, whose compute partition has 8 warps.
-TILES = [(64, 128), (128, 64)]
+#: (block_m, head dim, warps along dQ's rows) of the dense configs, whose compute partition has 8
+#: warps: four split the columns over the warpgroups, eight (block_m 128) split the rows.
+TILES = [(64, 128, 4), (128, 64, 4), (128, 64, 8)]
 WARPS = 8
 
 
-def _wgmma_staging(block_m: int, head_d: int) -> torch.Tensor:
+def _wgmma_staging(block_m: int, head_d: int, row_warps: int) -> torch.Tensor:
     """For each offset of a staged tile, the row-major index of the element there. The fragment of
-    wgmma m64nNk16 with an f32 accumulator: lane t of warp w holds d[i] at row 16 (w % 4) + t / 4
-    + 8 (i / 2 % 2), column 2 (t % 4) + i % 2 + 8 (i / 4); the kernel's second warpgroup takes the
-    next N columns, and a 128-row tile repeats the instruction 64 rows down (its registers after
-    the first 64 rows'). Each thread stages its registers in runs of four, lane after lane, warp
-    after warp."""
-    n = head_d // (WARPS // 4)
+    wgmma m64nNk16 with an f32 accumulator: lane t of warp w holds d[i] at row 16 (w % R) + t / 4
+    + 8 (i / 2 % 2), column 2 (t % 4) + i % 2 + 8 (i / 4), for R = ``row_warps`` warps along the
+    rows; warp w // R takes the (w // R)-th N columns, and a tile taller than the 16 R rows the
+    warps cover repeats the instruction 16 R rows down (its registers after the first rows').
+    Each thread stages its registers in runs of four, lane after lane, warp after warp."""
+    n = head_d // (WARPS // row_warps)
     per_mma = n // 2
-    regs = per_mma * (block_m // 64)
+    regs = per_mma * (block_m // (16 * row_warps))
     perm = torch.empty(block_m * head_d, dtype=torch.long)
     for warp in range(WARPS):
         for lane in range(32):
             for j in range(regs):
                 m, i = divmod(j, per_mma)
-                row = 64 * m + 16 * (warp % 4) + lane // 4 + 8 * (i // 2 % 2)
-                col = n * (warp // 4) + 2 * (lane % 4) + i % 2 + 8 * (i // 4)
+                row = 16 * row_warps * m + 16 * (warp % row_warps) + lane // 4 + 8 * (i // 2 % 2)
+                col = n * (warp // row_warps) + 2 * (lane % 4) + i % 2 + 8 * (i // 4)
                 offset = ((warp * regs // 4 + j // 4) * 32 + lane) * 4 + j % 4
                 perm[offset] = row * head_d + col
     return perm
 
 
-@pytest.mark.parametrize("block_m, head_d", TILES)
-def test_the_staging_layout_is_the_wgmma_fragment(block_m, head_d):
-    bases = dq_order.fragment_bases(block_m, head_d, WARPS)
+@pytest.mark.parametrize("block_m, head_d, row_warps", TILES)
+def test_the_staging_layout_is_the_wgmma_fragment(block_m, head_d, row_warps):
+    bases = dq_order.fragment_bases(block_m, head_d, WARPS, row_warps)
     staged = torch.zeros(block_m * head_d, dtype=torch.long)
     for bit, (row, col) in enumerate(bases):
         staged[1 << bit:2 << bit] = staged[:1 << bit] ^ (row * head_d + col)
-    assert torch.equal(staged, _wgmma_staging(block_m, head_d))
+    assert torch.equal(staged, _wgmma_staging(block_m, head_d, row_warps))
 
 
-@pytest.mark.parametrize("block_m, head_d", TILES)
-def test_the_staging_follows_the_registers_triton_gives_the_mma(block_m, head_d):
+@pytest.mark.parametrize("block_m, head_d, row_warps", TILES)
+def test_the_staging_follows_the_registers_triton_gives_the_mma(block_m, head_d, row_warps):
     """Registers, lanes, warps of the dQ MMA's layout, as Triton's linear layout has them: the
     staging's offset bits take the two lowest register bits, the lanes, the other registers, the
     warps (so each thread stores 16 bytes at once, each warp 512 contiguous bytes)."""
@@ -66,10 +67,10 @@ def test_the_staging_follows_the_registers_triton_gives_the_mma(block_m, head_d)
     context = ir.context()
     ir.load_dialects(context)
     builder = gluon_ir.GluonOpBuilder(context)
-    mma = dq_order.dq_mma_layout(block_m, head_d, WARPS)
+    mma = dq_order.dq_mma_layout(block_m, head_d, WARPS, row_warps)
     linear = builder.to_linear_layout(mma._to_ir(builder), [block_m, head_d])
     regs = linear.reg_bases
-    assert dq_order.fragment_bases(block_m, head_d, WARPS) == (
+    assert dq_order.fragment_bases(block_m, head_d, WARPS, row_warps) == (
         regs[:2] + linear.lane_bases + regs[2:] + linear.warp_bases)
 
 
@@ -81,16 +82,16 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("block_m, head_d", TILES)
-def test_conversion_reads_the_fragment_order(block_m, head_d, layout, dtype):
+@pytest.mark.parametrize("block_m, head_d, row_warps", TILES)
+def test_conversion_reads_the_fragment_order(block_m, head_d, row_warps, layout, dtype):
     batch, heads, seq, rows = 2, 3, 200, 256  # a last tile the sequence ends inside
     ref = torch.randn(batch * heads, rows, head_d, generator=torch.Generator().manual_seed(0))
-    perm = _wgmma_staging(block_m, head_d)
+    perm = _wgmma_staging(block_m, head_d, row_warps)
     assert not torch.equal(perm, torch.arange(perm.numel()))
     acc = ref.view(batch * heads, rows // block_m, -1)[:, :, perm].reshape(ref.shape)
     expected = ref.view(batch, heads, rows, head_d)[:, :, :seq].to(dtype)
     dq = LAYOUTS[layout](batch, heads, seq, head_d, dtype).fill_(float("nan"))
-    convert_dq(Launches(), acc, dq, _fragment_order(block_m, head_d, WARPS))
+    convert_dq(Launches(), acc, dq, _fragment_order(block_m, head_d, WARPS, row_warps))
     assert torch.equal(dq, expected)
     convert_dq(Launches(), acc, dq)  # read row-major, the same accumulator is another gradient
     assert not torch.equal(dq, expected)

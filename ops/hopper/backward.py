@@ -178,7 +178,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                        NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
                        HANDOFF_THREADS: gl.constexpr, VISIT_HEADS: gl.constexpr,
                        UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr, CLAIMED: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       DQ_ROW_WARPS: gl.constexpr, num_warps: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -187,12 +187,12 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
     dtype: gl.constexpr = k_smem.dtype
     # Visits of fewer query heads than the group keep a tile's dK and dV in STASH in between.
     STASHED: gl.constexpr = VISIT_HEADS < GROUP
-    # Keys along dim 0 of S^T, split over both warpgroups; dQ (BLOCK_M rows) splits its columns.
+    # Keys along dim 0 of S^T, split over both warpgroups; dQ as ``dq_order.dq_mma_layout``.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, HEAD_D, 16])
-    dq_layout: gl.constexpr = dq_mma_layout(BLOCK_M, HEAD_D, num_warps)
+    dq_layout: gl.constexpr = dq_mma_layout(BLOCK_M, HEAD_D, num_warps, DQ_ROW_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
@@ -282,6 +282,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, WRITER_ROWS: gl.constexpr,
                     DK_IN_FLIGHT: gl.constexpr, DQ_TMA: gl.constexpr, DQ_FRAGMENT: gl.constexpr,
+                    DQ_ROW_WARPS: gl.constexpr,
                     NAMED_HANDOFF: gl.constexpr, VISIT_HEADS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
                     CLAIMED: gl.constexpr, LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
                     num_warps: gl.constexpr):
@@ -307,7 +308,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     # The red.v4 writer and the packed crossing sub-tiles read the partial by rows.
     gl.static_assert(not DQ_FRAGMENT or (DQ_TMA and not VARLEN), "fragment order: dense, TMA writer")
     if DQ_FRAGMENT:  # in the MMA's register order (``dq_order.py``); dq_desc: DQACC flat
-        dq_layout: gl.constexpr = staging_layout(BLOCK_M, HEAD_D, num_warps)
+        dq_layout: gl.constexpr = staging_layout(BLOCK_M, HEAD_D, num_warps, DQ_ROW_WARPS)
     elif DQ_TMA:  # the layout of the TMA reduce-add's box (dq_desc: DQACC as rows of HEAD_D)
         dq_layout: gl.constexpr = dq_desc.layout
     else:
@@ -370,7 +371,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                               qk_scale, sm_scale, max_spin,
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, HANDOFF_THREADS,
-                              VISIT_HEADS, UNPADDED, TAIL_CONVERT, CLAIMED, num_warps)),
+                              VISIT_HEADS, UNPADDED, TAIL_CONVERT, CLAIMED, DQ_ROW_WARPS,
+                              num_warps)),
         (load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            work_slots, work_ready, work_empty, CLAIMS, ERR, max_spin, CU_Q,

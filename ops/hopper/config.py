@@ -45,6 +45,7 @@ class HopperBackwardConfig:
     run ahead of the dQ writer; ``writer_rows`` rows a writer's ``red.v4`` pass adds;
     ``dk_in_flight``: dK's MMA stays in flight into the next step; ``dq_tma``: the writer adds a
     partial with one TMA reduce-add; ``dq_fragment_order``: :func:`dq_fragment`;
+    ``dq_row_warps``: warps along dQ's rows (``dq_order.dq_mma_layout``; 8 needs ``block_m`` 128);
     ``named_handoff``: partials go to the writer on a named barrier (else an mbarrier);
     ``*_regs``: registers per worker partition (setmaxnreg);
     ``aligned_grid``: :func:`ordered_programs`; ``heads_outer``/``visit_heads``:
@@ -61,6 +62,7 @@ class HopperBackwardConfig:
     dk_in_flight: bool = True
     dq_tma: bool = True
     dq_fragment_order: bool = True
+    dq_row_warps: int = 4
     named_handoff: bool = True
     load_regs: int = 24
     writer_regs: int = 48
@@ -188,7 +190,7 @@ def backward_constexprs(sched: Schedule, causal: bool, group: int, even_s: bool,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                 DQ_STAGES=cfg.dq_stages, WRITER_ROWS=cfg.writer_rows,
                 DK_IN_FLIGHT=cfg.dk_in_flight, DQ_TMA=cfg.dq_tma,
-                DQ_FRAGMENT=dq_fragment(cfg, varlen),
+                DQ_FRAGMENT=dq_fragment(cfg, varlen), DQ_ROW_WARPS=cfg.dq_row_warps,
                 NAMED_HANDOFF=cfg.named_handoff,
                 VISIT_HEADS=visit_heads(cfg, sched.slots(causal), group, window, varlen),
                 UNPADDED=unpadded_deal(cfg, schedule, varlen),

@@ -21,33 +21,38 @@ FLAT = 256
 
 
 @gluon.constexpr_function
-def dq_mma_layout(block_m, head_d, num_warps):
-    """The dQ MMA's accumulator layout: four warps along the rows, the warpgroups split the
-    columns."""
-    groups = num_warps // 4
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups],
+def dq_mma_layout(block_m, head_d, num_warps, row_warps=4):
+    """The dQ MMA's accumulator layout: ``row_warps`` warps along the rows, the rest split the
+    columns. Four (a warpgroup): both warpgroups take every row, half the columns each; eight
+    (``block_m`` >= 128): each warpgroup takes its 64 rows, all columns, so its MMAs are twice as
+    wide and read half the dS^T and all of K once instead of all of dS^T and half of K."""
+    groups = num_warps // row_warps
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[row_warps, groups],
                                      instr_shape=[16, head_d // groups, 16])
 
 
 @gluon.constexpr_function
-def fragment_bases(block_m, head_d, num_warps):
+def fragment_bases(block_m, head_d, num_warps, row_warps=4):
     """[row, col] of the element at offset 2**i of a tile in fragment order, for every offset bit
     i: the bases of :func:`dq_mma_layout`'s registers, lanes and warps (the wgmma accumulator
     fragment; ``tests/test_dq_fragment.py`` checks them against Triton's linear layout) in the
     order of the module doc."""
-    n = head_d // (num_warps // 4)  # columns of one warpgroup
+    groups = num_warps // row_warps
+    n = head_d // groups  # columns of one warp
+    rows = 16 * row_warps  # rows the warps cover once
     regs = [[0, 1], [8, 0]]
     regs += [[0, 8 << k] for k in range((n // 8).bit_length() - 1)]
-    regs += [[64 << k, 0] for k in range((block_m // 64).bit_length() - 1)]
+    regs += [[rows << k, 0] for k in range((block_m // rows).bit_length() - 1)]
     lanes = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
-    warps = [[16, 0], [32, 0]] + [[0, n << k] for k in range((num_warps // 4).bit_length() - 1)]
+    warps = [[16 << k, 0] for k in range(row_warps.bit_length() - 1)]
+    warps += [[0, n << k] for k in range(groups.bit_length() - 1)]
     return regs[:2] + lanes + regs[2:] + warps
 
 
 @gluon.constexpr_function
-def staging_layout(block_m, head_d, num_warps):
+def staging_layout(block_m, head_d, num_warps, row_warps=4):
     """The shared layout of a [block_m, head_d] partial staged in fragment order."""
-    return gl.SharedLinearLayout(fragment_bases(block_m, head_d, num_warps))
+    return gl.SharedLinearLayout(fragment_bases(block_m, head_d, num_warps, row_warps))
 
 
 def flat_layout() -> gl.NVMMASharedLayout:

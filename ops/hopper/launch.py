@@ -98,9 +98,9 @@ def _accumulator_descriptor(ptr: int, elements: int, rows: int, head_d: int,
 
 
 @functools.lru_cache(maxsize=None)
-def _fragment_order(block_m: int, head_d: int, num_warps: int) -> TileOrder:
+def _fragment_order(block_m: int, head_d: int, num_warps: int, row_warps: int) -> TileOrder:
     """Where the dense backward's DQACC holds each element of a tile (``dq_order.py``)."""
-    return TileOrder.from_bases(fragment_bases(block_m, head_d, num_warps))
+    return TileOrder.from_bases(fragment_bases(block_m, head_d, num_warps, row_warps))
 
 
 def _row_descriptors(stats: torch.Tensor, block: int) -> tuple[TensorDescriptor, ...]:
@@ -233,7 +233,7 @@ def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     else:
         order = None
         if spec["constexprs"]["DQ_FRAGMENT"]:
-            order = _fragment_order(cfg.block_m, q.shape[3], cfg.num_warps)
+            order = _fragment_order(cfg.block_m, q.shape[3], cfg.num_warps, cfg.dq_row_warps)
         convert_dq(plan.launches, dq_acc, dq, order)
     if schedule.ordered:
         watch_spin_flag(spin_flag(q.device), plan)
