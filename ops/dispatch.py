@@ -31,7 +31,7 @@ from .portable import backward, forward, packed
 from .portable.configs import backward_config, forward_config
 from .shared.device import arch_key
 from .shared.dropout import Dropout
-from .shared.launch import Launches, interpreting
+from .shared.launch import Launches, heads_first, interpreting, virtual
 
 PORTABLE, HOPPER, NO_WINDOW = rules.PORTABLE, rules.HOPPER, rules.NO_WINDOW
 
@@ -285,18 +285,18 @@ def _plan_varlen_forward(q, k, v, out, cu_seq_q, max_q, max_k, is_causal, window
         # Sequences x heads on axis 0, which may pass 65535 programs; none launches without keys.
         runs = num_seqs and max_q and tq and tk
         grid = (num_seqs * hq, triton.cdiv(max_q, cfg.block_m)) if runs else ()
-        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
+        views = [heads_first(t) for t in (q, k, v, out)]
         spec = dict(max_lens=(max_q, max_k),
                     constexprs=hopper_config.forward_constexprs(is_causal, hq // hkv, cfg,
                                                                 varlen=True),
-                    copies=tuple(not support.tma_strided(t) for t in heads_first[:3]),
-                    stage_out=not support.tma_strided(heads_first[3]))
+                    copies=tuple(not support.tma_strided(t) for t in views[:3]),
+                    stage_out=not support.tma_strided(views[3]))
         return Plan("forward", HOPPER, reason, None, None, None, grid, cfg,
                     launcher.run_varlen_forward, spec, Launches())
     cfg = config or forward_config(max(q.shape[2], v.shape[2]), q.dtype, is_causal,
                                    arch_key(q.device))
     grid = (num_seqs * q.shape[1], triton.cdiv(max_q, cfg.block_m))
-    views = (packed.virtual(t, num_seqs) for t in (q, k, v))
+    views = (virtual(t, num_seqs) for t in (q, k, v))
     spec = dict(window=window, max_lens=(max_q, max_k), constexprs=forward.constexprs(
         *views, None, cfg, is_causal=is_causal, window=window, packed=True))
     return Plan("forward", PORTABLE, reason, None, None, None, grid if all(grid) else (), cfg,
@@ -350,10 +350,10 @@ def _plan_varlen_backward(grad_out, q, k, v, lse, packed_args, dq, dk, dv, is_ca
             window != NO_WINDOW, True, sms)
         counters = deal.COUNTERS.value + (dq_tail.counters(num_seqs, hkv)
                                           if constexprs["TAIL_CONVERT"] else 0)
-        heads_first = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, grad_out))
         spec.update(tiles=(n_q, n_kv), items=(per_head, items), constexprs=constexprs,
                     aligned=aligned, counters=counters,
-                    copies=tuple(not support.tma_strided(t) for t in heads_first),
+                    copies=tuple(not support.tma_strided(heads_first(t))
+                                 for t in (q, k, v, grad_out)),
                     dq_config=backward_config(e, q.dtype, is_causal, 9))
         runs = num_seqs and n_q and n_kv and tq and tk
         return Plan("backward", HOPPER, reason, schedule, fitted, fallback,
@@ -365,9 +365,9 @@ def _plan_varlen_backward(grad_out, q, k, v, lse, packed_args, dq, dk, dv, is_ca
     if not (num_seqs and n_q and n_kv and tq and tk):  # no sequence has both queries and keys
         return Plan("backward", PORTABLE, reason, schedule, requested, None, (), cfg,
                     packed.run_varlen_backward, spec, Launches())
-    views = tuple(packed.virtual(t, num_seqs) for t in (q, k, v, grad_out))
+    views = tuple(virtual(t, num_seqs) for t in (q, k, v, grad_out))
     lse_c = lse.contiguous()
-    dk4, dv4 = (packed.virtual(t, num_seqs) for t in (dk, dv))
+    dk4, dv4 = (virtual(t, num_seqs) for t in (dk, dv))
     fitted, fallback, grid, main_spec = _portable_main(
         (*views, lse_c, None, dk4, dv4), packed_args, cfg, requested,
         is_causal, window, max_spin, (tq, tk, n_q, n_kv), num_seqs, shape)

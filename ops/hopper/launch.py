@@ -17,6 +17,7 @@ from ..plan import Plan
 from ..shared.dq_convert import TileOrder, convert_dq
 from ..shared.dq_pass import launch_dq_pass
 from ..shared.errors import spin_flag, watch_spin_flag
+from ..shared.launch import heads_first, virtual
 from ..shared.offsets_check import check_offsets
 from ..shared.preprocess import compute_delta, prepare, zeroed_tickets
 from ..shared.tiles import LOG2E
@@ -118,15 +119,10 @@ def _readable(tensors: tuple[torch.Tensor, ...], copies: tuple[bool, ...]) -> tu
     return tuple(tma_copy(t) if copy else t for t, copy in zip(tensors, copies))
 
 
-def _heads_first(t: torch.Tensor) -> torch.Tensor:
-    """Packed (T, H, D) as the (1, H, T, D) view the descriptors read."""
-    return t.transpose(0, 1).unsqueeze(0)
-
-
 def _forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, packed: tuple | None, scale: float) -> None:
     """One launch of the forward over (B, H, N, D) views; ``packed`` = (cu_seq_q, cu_seq_k,
-    max_q, max_k) for the VARLEN kernel, whose views are the packed tensors' ``_heads_first``."""
+    max_q, max_k) for the VARLEN kernel, whose views are the packed tensors' ``heads_first``."""
     spec, cfg = plan.spec, plan.config
     q, k, v = _readable((q, k, v), spec["copies"])
     target = out
@@ -166,7 +162,7 @@ def run_varlen_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    _forward(plan, *map(_heads_first, (q, k, v, out)), lse, (cu_seq_q, cu_seq_k, max_q, max_k),
+    _forward(plan, *map(heads_first, (q, k, v, out)), lse, (cu_seq_q, cu_seq_k, max_q, max_k),
              scale)
 
 
@@ -256,7 +252,7 @@ def run_varlen_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: 
     num_seqs = cu_seq_q.numel() - 1
     n_q, n_kv = spec["tiles"]
     packed = (cu_seq_q, cu_seq_k, max_q, max_k)
-    q4, k4, v4, do4 = _readable(tuple(map(_heads_first, (q, k, v, grad_out))), spec["copies"])
+    q4, k4, v4, do4 = _readable(tuple(map(heads_first, (q, k, v, grad_out))), spec["copies"])
     dq_acc = None
     if not schedule.separate_dq:  # the ordered writer stores each row's first partial
         allocate = torch.empty if schedule.ordered else torch.zeros
@@ -268,18 +264,17 @@ def run_varlen_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: 
         keyless_rows=dq_acc if schedule.ordered else None, launches=plan.launches)
     in_kernel = spec["constexprs"]["TAIL_CONVERT"]
     tickets = zeroed_tickets(hq * tq + spec["counters"], q.device)
-    dk4, dv4 = map(_heads_first, (dk, dv))
+    dk4, dv4 = map(heads_first, (dk, dv))
     _launch(plan, (q4, k4, v4, do4, dk4, dv4), stats, dq_acc, tickets, packed,
             prefix, (num_seqs, tq, tk, n_q, n_kv, tq, stats_stride), scale, max_spin,
             dq=dq if in_kernel else None)
     if schedule.separate_dq:
-        vq, vk, vv, vdo, vdq = (_heads_first(t).expand(num_seqs, -1, -1, -1)
-                                for t in (q, k, v, grad_out, dq))
-        delta = compute_delta(*map(_heads_first, (out, grad_out)), plan.launches)
+        vq, vk, vv, vdo, vdq = (virtual(t, num_seqs) for t in (q, k, v, grad_out, dq))
+        delta = compute_delta(*map(heads_first, (out, grad_out)), plan.launches)
         launch_dq_pass(plan.launches, vq, vk, vv, vdo, lse, delta, None, vdq,
                        is_causal=spec["causal"], scale=scale, cfg=spec["dq_config"],
                        window=spec["window"], packed=packed)
     elif not in_kernel:
-        convert_dq(plan.launches, dq_acc, _heads_first(dq))
+        convert_dq(plan.launches, dq_acc, heads_first(dq))
     if schedule.ordered:
         watch_spin_flag(spin_flag(q.device), plan)

@@ -24,17 +24,11 @@ from ..shared.device import head_dim_bucket
 from ..shared.dq_convert import convert_dq
 from ..shared.dq_pass import launch_dq_pass
 from ..shared.errors import spin_flag, watch_spin_flag
-from ..shared.launch import interpreting
+from ..shared.launch import heads_first, interpreting, virtual
 from ..shared.offsets_check import check_offsets
 from ..shared.preprocess import compute_delta, zeroed_tickets
 from .backward import launch_main
 from .forward import launch_forward
-
-
-def virtual(t: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """Packed (T, H, D) as the kernels' (num_seqs, H, T, D) with batch stride 0: every sequence of
-    the virtual batch sees the whole packing and starts at its own offset."""
-    return t.transpose(0, 1).unsqueeze(0).expand(num_seqs, -1, -1, -1)
 
 
 def run_varlen_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -95,6 +89,6 @@ def run_varlen_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: 
                        is_causal=spec["causal"], scale=scale, cfg=plan.config,
                        window=spec["window"], packed=packed)
     else:
-        convert_dq(plan.launches, dq_acc, dq.transpose(0, 1).unsqueeze(0))
+        convert_dq(plan.launches, dq_acc, heads_first(dq))
     if schedule.ordered and not interpreting():
         watch_spin_flag(spin_flag(q.device), plan)

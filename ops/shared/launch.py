@@ -1,4 +1,5 @@
-"""Launch helpers: bound kernels, dot precision, mask kinds and the co-resident grid size.
+"""Launch helpers: bound kernels, dot precision, mask kinds, the co-resident grid size and the
+packed tensors' view.
 
 The ordered dQ reduction makes programs wait for each other, which is only safe when every program
 that can be waited on is running. The persistent grid is therefore sized from the compiled kernel's
@@ -18,6 +19,17 @@ import torch
 from triton import knobs
 
 MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
+
+
+def heads_first(t: torch.Tensor) -> torch.Tensor:
+    """Packed (T, H, D) as the (1, H, T, D) view the kernels read, heads before rows."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def virtual(t: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Packed (T, H, D) as the kernels' (num_seqs, H, T, D) with batch stride 0: every sequence of
+    the virtual batch sees the whole packing and starts at its own offset."""
+    return heads_first(t).expand(num_seqs, -1, -1, -1)
 
 
 def interpreting() -> bool:
