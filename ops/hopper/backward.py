@@ -307,6 +307,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     # The red.v4 writer and the packed crossing sub-tiles read the partial by rows.
     gl.static_assert(not DQ_FRAGMENT or (DQ_TMA and not VARLEN), "fragment order: dense, TMA writer")
+    gl.static_assert(16 * DQ_ROW_WARPS <= BLOCK_M, "dQ's row warps cover 16 rows each")
     if DQ_FRAGMENT:  # in the MMA's register order (``dq_order.py``); dq_desc: DQACC flat
         dq_layout: gl.constexpr = staging_layout(BLOCK_M, HEAD_D, num_warps, DQ_ROW_WARPS)
     elif DQ_TMA:  # the layout of the TMA reduce-add's box (dq_desc: DQACC as rows of HEAD_D)
