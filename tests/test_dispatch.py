@@ -270,3 +270,17 @@ def test_every_launcher_is_called_with_its_own_signature(hopper_takes_it, monkey
                              *(torch.empty_like(t) for t in packed[:3]), is_causal=True,
                              scale=0.1)
     assert called == ["run_forward", "run_backward", "run_varlen_forward", "run_varlen_backward"]
+
+
+def test_an_empty_launch_hook_chain_costs_a_bound_launch_nothing():
+    """Triton keeps its launch hooks in a chain that is never None; a bound launch passes None
+    for an empty chain (no metadata record), and the chain itself once a profiler adds a hook."""
+    from triton import knobs
+
+    from dash_inductor.ops.shared.launch import _active
+
+    chain = type(knobs.runtime.launch_enter_hook)()
+    assert _active(None) is None and _active(chain) is None
+    chain.add(print)
+    assert _active(chain) is chain
+    assert _active(print) is print  # a Triton whose hook is a plain callable

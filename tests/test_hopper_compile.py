@@ -88,13 +88,14 @@ def test_window_and_packed_backward_compile_for_sm90(variants, head_dim, schedul
                     schedule, head_dim, causal, varlen)
 
 
-@pytest.mark.parametrize("schedule, causal", aot.DQ_ROWS_VARIANTS)
+@pytest.mark.parametrize("schedule, causal", aot.DQ_COLUMNS_VARIANTS)
 def test_dq_rows_split_over_the_warpgroups_compile_for_sm90(variants, schedule, causal):
-    """``dq_row_warps=8`` at head dim 64: each warpgroup's dQ MMA covers its 64 rows and all 64
-    columns, so it takes half as many (twice as wide) wgmma as the column split."""
-    row = variants[("bf16", 64, schedule, causal, "dense-dq-rows")]
-    split = variants[("bf16", 64, schedule, causal, "dense")]
-    _check_backward(row, schedule, 64, causal)
+    """Head dim 64's default ``dq_row_warps=8``: each warpgroup's dQ MMA covers its 64 rows and
+    all 64 columns, so it takes fewer (twice as wide) wgmma than the column split."""
+    row = variants[("bf16", 64, schedule, causal, "dense")]
+    split = variants[("bf16", 64, schedule, causal, "dense-dq-columns")]
+    _check_backward(split, schedule, 64, causal)
+    assert backward_config(64, causal).dq_row_warps == 8
     assert row["wgmma"] < split["wgmma"] and row["shared"] == split["shared"]
 
 

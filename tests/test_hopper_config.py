@@ -6,17 +6,17 @@ import pytest
 from dash_inductor.ops.hopper.config import FORWARD_MIN_SEQ, HopperForwardConfig, backward_config
 
 #: (head dim, causal, packed) -> (block_m, stages, dq_stages, dk_in_flight, named_handoff,
-#: writer_regs, heads_outer, tail_convert, claimed_deal)
+#: writer_regs, heads_outer, tail_convert, claimed_deal, dq_row_warps)
 PINNED = {
     # dense: the deal and the tail conversion apply to packed sequences only (``unpadded_deal``)
-    (64, False, False): (128, 2, 1, False, True, 24, False, True, True),
-    (64, True, False): (128, 2, 1, False, True, 24, False, True, True),
-    (64, False, True): (64, 4, 4, False, True, 48, False, False, False),
-    (64, True, True): (64, 4, 4, False, True, 48, False, False, True),
-    (128, False, False): (64, 3, 1, True, True, 40, True, True, False),
-    (128, True, False): (64, 3, 1, False, False, 40, True, True, True),
-    (128, False, True): (64, 3, 1, True, True, 40, True, True, False),
-    (128, True, True): (64, 3, 1, False, False, 40, True, True, True),
+    (64, False, False): (128, 2, 1, False, True, 24, False, True, True, 8),
+    (64, True, False): (128, 2, 1, False, True, 24, False, True, True, 8),
+    (64, False, True): (64, 4, 4, False, True, 48, False, False, False, 4),
+    (64, True, True): (64, 4, 4, False, True, 48, False, False, True, 4),
+    (128, False, False): (64, 3, 1, True, True, 40, True, True, False, 4),
+    (128, True, False): (64, 3, 1, False, False, 40, True, True, True, 4),
+    (128, False, True): (64, 3, 1, True, True, 40, True, True, False, 4),
+    (128, True, True): (64, 3, 1, False, False, 40, True, True, True, 4),
 }
 
 
@@ -24,7 +24,8 @@ PINNED = {
 def test_backward_configs_are_the_measured_ones(key):
     cfg = backward_config(*key)
     assert (cfg.block_m, cfg.stages, cfg.dq_stages, cfg.dk_in_flight, cfg.named_handoff,
-            cfg.writer_regs, cfg.heads_outer, cfg.tail_convert, cfg.claimed_deal) == PINNED[key]
+            cfg.writer_regs, cfg.heads_outer, cfg.tail_convert, cfg.claimed_deal,
+            cfg.dq_row_warps) == PINNED[key]
     assert cfg.block_n == 128 and cfg.dq_tma and cfg.aligned_grid and cfg.unpadded_deal
     assert cfg.dq_fragment_order == (not key[2])  # packed tiles stay row-major (dq_order.py)
 

@@ -144,9 +144,10 @@ MASKED_VARIANTS = (("descending", True, True, False), ("ascending", False, True,
 #: besides in bf16 for one ordered schedule of each mask: variant "dense-red-writer".
 RED_WRITER_VARIANTS = (("shift", False), ("descending", True))
 
-#: dQ's rows split over the warpgroups at head dim 64 (``dq_row_warps=8``, a candidate for A/B
-#: runs), compiled besides in bf16 for ``auto``'s schedule of each mask: variant "dense-dq-rows".
-DQ_ROWS_VARIANTS = (("ascending", False), ("shift", True))
+#: dQ's columns split over the warpgroups at head dim 64 (``dq_row_warps=4``, the default before
+#: the row split, kept for A/B runs), compiled besides in bf16 for ``auto``'s schedule of each
+#: mask: variant "dense-dq-columns".
+DQ_COLUMNS_VARIANTS = (("ascending", False), ("shift", True))
 
 
 #: One variant of each of the kernels' code paths (dense, windowed, packed with the claimed deal
@@ -216,12 +217,12 @@ def main(argv: list[str] | None = None) -> None:
             key = dict(dtype=args.dtype, head_dim=head_dim, schedule=schedule, causal=causal,
                        variant="dense-red-writer")
             print(json.dumps({**key, **summary(compiled)}), flush=True)
-    for schedule, causal in DQ_ROWS_VARIANTS if args.dtype == "bf16" else ():
-        cfg = dataclasses.replace(backward_config(64, causal), dq_row_warps=8)
+    for schedule, causal in DQ_COLUMNS_VARIANTS if args.dtype == "bf16" else ():
+        cfg = dataclasses.replace(backward_config(64, causal), dq_row_warps=4)
         compiled = compile_backward(args.dtype, 64, schedule, causal, group=4 if causal else 1,
                                     even_s=not causal, cfg=cfg)
         key = dict(dtype=args.dtype, head_dim=64, schedule=schedule, causal=causal,
-                   variant="dense-dq-rows")
+                   variant="dense-dq-columns")
         print(json.dumps({**key, **summary(compiled)}), flush=True)
 
 

@@ -84,9 +84,10 @@ def backward_config(head_dim: int, causal: bool, packed: bool = False) -> Hopper
     if deep and not packed:
         # FlashAttention-3's tile at d64: a step's MMAs as long as d128's, its fixed costs half as
         # often; two stages and one dQ buffer fit in 166 KiB; a lean writer leaves the compute
-        # warps the registers that end their spills.
+        # warps the registers that end their spills; dQ's 128 rows split over the warpgroups
+        # make its MMA m64n64, one per warpgroup, as FlashAttention-4's d64 dQ.
         return HopperBackwardConfig(block_m=128, stages=2, dq_stages=1, dk_in_flight=False,
-                                    writer_regs=24, heads_outer=False)
+                                    writer_regs=24, heads_outer=False, dq_row_warps=8)
     return HopperBackwardConfig(
         dq_fragment_order=not packed,  # crossing sub-tiles and the tail conversion read rows
         # d64 packed keeps 64-row steps (128 spilled there), so four buffers let the compute
@@ -124,9 +125,8 @@ class HopperForwardConfig:
 
 #: Three softmax warpgroups of 64 rows: each K/V tile loaded serves 192 rows instead of 128. The
 #: loader's warp counts as a warpgroup, so each gets about 160 registers: with 128-key tiles ptxas
-#: spills (160) or serializes the wgmma (168); 64-key tiles fit, four stages of them. A candidate for
-#: head dim 64, where the forward trails FlashAttention-4's most (dense only); not yet measured on a
-#: GPU.
+#: spills (160) or serializes the wgmma (168); 64-key tiles fit, four stages of them. Dense only;
+#: not a default: at head dim 64 it tied unmasked and lost 8% causal (docs/maintainers/tuning.md).
 THREE_WARPGROUPS = HopperForwardConfig(block_m=192, block_n=64, stages=4, softmax_groups=3,
                                        softmax_regs=160)
 

@@ -137,6 +137,15 @@ class Launches:
         bound(grid, args)
 
 
+def _active(hook):
+    """``hook``, or None where it would call nothing: Triton 3.6+ keeps its launch hooks in a
+    ``HookChain`` that is never None, and a chain without calls would still cost a metadata
+    record and two Python calls a launch."""
+    if hook is None or not getattr(hook, "calls", True):
+        return None
+    return hook
+
+
 def _bind(kernel, args: tuple, constexprs: dict) -> Callable[[tuple, tuple], None]:
     """Compile ``kernel`` for these arguments and return a launcher of it that takes the grid and
     the positional arguments: the compiled kernel wants every parameter in order, constexprs too."""
@@ -151,10 +160,12 @@ def _bind(kernel, args: tuple, constexprs: dict) -> Callable[[tuple, tuple], Non
 
     def launch(grid: tuple[int, ...], args: tuple) -> None:
         stream = raw_stream(device())
-        enter = hooks.launch_enter_hook
-        info = None if enter is None else compiled.launch_metadata(grid, stream, *args, *tail)
+        enter, leave = _active(hooks.launch_enter_hook), _active(hooks.launch_exit_hook)
+        info = None
+        if enter is not None or leave is not None:
+            info = compiled.launch_metadata(grid, stream, *args, *tail)
         run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-            function, metadata, info, enter, hooks.launch_exit_hook, *args, *tail)
+            function, metadata, info, enter, leave, *args, *tail)
 
     return launch
 

@@ -120,3 +120,21 @@ def test_a_first_backward_under_cuda_graph_trees_leaves_nothing_in_their_pool(mo
     losses, _ = _train(False, "reduce-overhead")
     assert torch.isfinite(losses).all() and errors._SPIN
     errors.check_spin_flags(wait=True)
+
+
+def test_a_launch_hook_sees_every_bound_launch():
+    """Bound launches skip Triton's empty hook chain; a hook a profiler adds still sees each."""
+    from triton import knobs
+
+    q, k, v = (torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    dash_inductor.attention(q, k, v, is_causal=True).sum().backward()  # binds the launches
+    seen: list[str] = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        dash_inductor.attention(q, k, v, is_causal=True).sum().backward()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert len(seen) >= 2 and all(seen), seen
