@@ -20,7 +20,7 @@ On an sm90 GPU (warm Triton's cache first: a compile under the sanitizer is slow
 
     python3 bench/racecheck.py --list
     python3 bench/racecheck.py                      # every variant, no sanitizer: warms the cache
-    compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 20000 \
+    compute-sanitizer --tool racecheck --racecheck-report analysis --print-limit 1000000 \
         --launch-timeout 0 --target-processes application-only --show-backtrace no \
         python3 bench/racecheck.py --variants 'hopper-*' --no-check > racecheck.log 2>&1
     python3 bench/racecheck.py --triage racecheck.log
@@ -33,10 +33,11 @@ imports. ``--variants`` takes names or shell patterns (comma or space separated)
 ``TRITON_INTERPRET=1`` itself) to check the script. The exit status is 1 if a variant failed (an
 exception, a path other than the one named, or the accuracy check), else 0: a clean run of the
 script under a sanitizer still needs the sanitizer's own summary (``ERROR SUMMARY`` /
-``RACECHECK SUMMARY``) read. ``--triage LOG`` groups a racecheck log's hazards and marks the two
-known false positives, Triton's warp-specialization state bytes and the dQ partial's hand-off
-(racecheck loses a named barrier's ordering once one side also took a partial barrier of its
-own); docs/racecheck.md has the evidence.
+``RACECHECK SUMMARY``) read. ``--triage LOG`` groups a racecheck log's hazards (an ``analysis``
+report lists each racing pair once, so nothing is past the print limit; a ``hazard`` one adds
+addresses) and marks the two known false positives, Triton's warp-specialization state bytes and
+the dQ partial's hand-off (racecheck loses a named barrier's ordering once one side also took a
+partial barrier of its own); docs/racecheck.md has the evidence.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """The triage of a compute-sanitizer racecheck log of the Hopper kernels (``bench/racecheck.py
 --triage LOG``): its hazards grouped by (kind, first access, second access), each group marked
 known where it is one of the two false positives docs/racecheck.md explains, found by source line
-and address span in the installed sources."""
+(and, in a ``--racecheck-report hazard`` log, address span) in the installed sources.
+
+A ``hazard`` log prints each hazard, up to the sanitizer's print limit, with its address; an
+``analysis`` log prints each pair of racing instructions once, with its count, so it covers every
+hazard of a run that would print millions."""
 
 from __future__ import annotations
 
@@ -10,10 +14,21 @@ import re
 _HAZARD = re.compile(r"Potential (\w+) hazard detected at __shared__ (0x[0-9a-fA-F]+) in block "
                      r"\(([^)]*)\)")
 _ACCESS = re.compile(r"(Read|Write) Thread \(([^)]*)\) at (\S+) in (\S+?):(\d+)")
+#: ``--racecheck-report analysis``: "Race reported between <access>", then "and <access> [N
+#: hazards]" for each instruction it races with.
+_RACE = re.compile(r"Race reported between (Read|Write) access at (\S+) in (\S+?):(\d+)")
+_PARTNER = re.compile(r"and (Read|Write) access at (\S+) in (\S+?):(\d+) \[(\d+) hazards?\]")
 
 
 def _lines_with(path, snippet: str) -> set[int]:
     return {n for n, text in enumerate(path.read_text().splitlines(), 1) if snippet in text}
+
+
+def _is_warp_specialize(node) -> bool:
+    import ast
+
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "warp_specialize")
 
 
 def known_handoffs() -> list[tuple[str, dict[str, set[int]], dict[str, set[int]], int]]:
@@ -23,8 +38,9 @@ def known_handoffs() -> list[tuple[str, dict[str, set[int]], dict[str, set[int]]
     of a line makes its hazards UNKNOWN, the safe side):
 
     - Triton's warp-specialization state bytes: stored by the default warps before each region
-      and before the exit (at the kernel's ``def`` line and its ``gl.warp_specialize(`` line), read
-      by the worker warps in the switch loop (the ``def`` line); ordered by ``barrier.sync 1``.
+      and before the exit (at the kernel's ``def`` line and its ``gl.warp_specialize(`` line, or
+      the ``if`` that holds that call, where Triton 3.6 puts the exit store), read by the worker
+      warps in the switch loop (the ``def`` line); ordered by ``barrier.sync 1``.
     - The dQ partial: stored by the compute warps (``dq_bufs.index(d).store``), read from shared
       memory by the writer (``buf.slice(r, ROWS, dim=0).load``: packed sub-tiles that cross an
       edge, and the red.v4 writer); ordered by the named barrier (``bar.arrive`` / ``bar.sync``)
@@ -41,10 +57,11 @@ def known_handoffs() -> list[tuple[str, dict[str, set[int]], dict[str, set[int]]
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, ast.FunctionDef):
                 continue
-            calls = [c.lineno for c in ast.walk(fn) if isinstance(c, ast.Call)
-                     and isinstance(c.func, ast.Attribute) and c.func.attr == "warp_specialize"]
+            calls = [c.lineno for c in ast.walk(fn) if _is_warp_specialize(c)]
+            branches = [b.lineno for b in ast.walk(fn) if isinstance(b, ast.If)
+                        and any(_is_warp_specialize(c) for c in ast.walk(b))]
             if calls:
-                state.setdefault(path.name, set()).update({fn.lineno, *calls})
+                state.setdefault(path.name, set()).update({fn.lineno, *calls, *branches})
     partial_store = {"backward.py": _lines_with(folder / "backward.py", "dq_bufs.index(d).store(")}
     partial_load = {"dq_writer.py": _lines_with(folder / "dq_writer.py",
                                                 "buf.slice(r, ROWS, dim=0).load(")}
@@ -61,9 +78,28 @@ def triage(log_path: str) -> int:
     status 1 if any other hazard is there."""
     known = known_handoffs()
     groups: dict[tuple, dict] = {}
-    hazard = None
+    hazard = race = None
     with open(log_path, errors="replace") as log:
         for line in log:
+            start = _RACE.search(line)
+            if start:
+                race = (start.group(1), start.group(2), start.group(3).rsplit("/", 1)[-1],
+                        int(start.group(4)))
+                continue
+            partner = _PARTNER.search(line)
+            if race is not None and partner:
+                other = (partner.group(1), partner.group(2),
+                         partner.group(3).rsplit("/", 1)[-1], int(partner.group(4)))
+                # The write first, as a hazard log prints it; the log does not say which of the
+                # two came first in time, so the kind is only "race".
+                first, second = (other, race) if other[0] == "Write" else (race, other)
+                kind = "race"
+                key = (kind, first[0], first[1], first[2], first[3], second[0], second[1],
+                       second[2], second[3])
+                group = groups.setdefault(key, {"count": 0, "addresses": set(), "blocks": set(),
+                                                "threads": set()})
+                group["count"] += int(partner.group(5))
+                continue
             head = _HAZARD.search(line)
             if head:
                 hazard = {"kind": head.group(1), "address": int(head.group(2), 16),
@@ -91,15 +127,18 @@ def triage(log_path: str) -> int:
     print(f"# {log_path}: {total} hazards in {len(groups)} groups")
     for key, g in sorted(groups.items(), key=lambda kv: -kv[1]["count"]):
         kind, kind1, pc1, file1, line1, kind2, pc2, file2, line2 = key
-        span = max(g["addresses"]) - min(g["addresses"])
+        span = max(g["addresses"]) - min(g["addresses"]) if g["addresses"] else 0
         what = next((what for what, first, second, widest in known
                      if line1 in first.get(file1, ()) and line2 in second.get(file2, ())
                      and span < widest), None)
         unknown += what is None
         threads = sorted(g["threads"])[:4]
+        where = ""
+        if g["addresses"]:  # a hazard log's
+            where = (f"; addresses {', '.join(hex(a) for a in sorted(g['addresses'])[:4])}"
+                     f"{', ...' if len(g['addresses']) > 4 else ''}; {len(g['blocks'])} blocks; "
+                     f"threads {threads}")
         print(f"{'known  ' if what else 'UNKNOWN'} {g['count']:6d} {kind} {kind1} {pc1} "
-              f"({file1}:{line1}) / {kind2} {pc2} ({file2}:{line2}); addresses "
-              f"{', '.join(hex(a) for a in sorted(g['addresses'])[:4])}"
-              f"{', ...' if len(g['addresses']) > 4 else ''}; {len(g['blocks'])} blocks; "
-              f"threads {threads}" + (f"  [{what}]" if what else ""))
+              f"({file1}:{line1}) / {kind2} {pc2} ({file2}:{line2}){where}"
+              + (f"  [{what}]" if what else ""))
     return 1 if unknown else 0
