@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import triton
 
 from . import rules
 from .catalog import AUTO, Schedule
@@ -31,7 +30,7 @@ from .portable import backward, forward, packed
 from .portable.configs import backward_config, forward_config
 from .shared.device import arch_key
 from .shared.dropout import Dropout
-from .shared.launch import Launches, heads_first, interpreting, virtual
+from .shared.launch import Launches, cdiv, heads_first, interpreting, virtual
 
 PORTABLE, HOPPER, NO_WINDOW = rules.PORTABLE, rules.HOPPER, rules.NO_WINDOW
 
@@ -140,7 +139,7 @@ def _plan_forward(q, k, v, mask, out, is_causal, window, kernel, dropout, config
     if path == HOPPER:
         launcher = _hopper()[0]
         cfg = config or hopper_config.HopperForwardConfig()
-        grid = (triton.cdiv(seq_q, cfg.block_m), batch * hq) if seq_q and k.shape[2] else ()
+        grid = (cdiv(seq_q, cfg.block_m), batch * hq) if seq_q and k.shape[2] else ()
         spec = dict(constexprs=hopper_config.forward_constexprs(is_causal, hq // k.shape[1], cfg),
                     copies=tuple(not support.tma_strided(t) for t in (q, k, v)),
                     stage_out=not support.tma_strided(out))
@@ -149,7 +148,7 @@ def _plan_forward(q, k, v, mask, out, is_causal, window, kernel, dropout, config
     cfg = config or forward_config(max(e, v.shape[3]), q.dtype, is_causal, arch_key(q.device))
     spec = dict(window=window, constexprs=forward.constexprs(
         q, k, v, mask, cfg, is_causal=is_causal, window=window, packed=False, dropout=dropout))
-    grid = (triton.cdiv(seq_q, cfg.block_m), batch * hq)
+    grid = (cdiv(seq_q, cfg.block_m), batch * hq)
     return Plan("forward", PORTABLE, reason, None, None, None, grid, cfg, forward.run_forward,
                 spec, Launches())
 
@@ -184,7 +183,7 @@ def _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal, window, sche
     if path == HOPPER:
         launcher = _hopper()[0]
         cfg = config or hopper_config.backward_config(e, is_causal)
-        n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
+        n_q, n_kv = cdiv(seq_q, cfg.block_n), cdiv(seq_k, cfg.block_n)
         sms = _sms(q)
         fitted, fallback = rules.fit_schedule(requested, is_causal, window, n_kv, lambda _: sms,
                                               shape)
@@ -206,7 +205,7 @@ def _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal, window, sche
     cfg = config or backward_config(max(e, ev), q.dtype, is_causal, arch_key(q.device))
     if cfg.block_n % cfg.block_m:
         raise ValueError(f"backward config needs block_m dividing block_n, got {cfg}")
-    n_q, n_kv = triton.cdiv(seq_q, cfg.block_n), triton.cdiv(seq_k, cfg.block_n)
+    n_q, n_kv = cdiv(seq_q, cfg.block_n), cdiv(seq_k, cfg.block_n)
     views = (q, k, v, grad_out, lse, mask, dk, dv)
     fitted, fallback, grid, spec = _portable_main(views, None, cfg, requested, is_causal, window,
                                                   max_spin, (seq_q, seq_k, n_q, n_kv), batch,
@@ -284,7 +283,7 @@ def _plan_varlen_forward(q, k, v, out, cu_seq_q, max_q, max_k, is_causal, window
         (tq, hq, _), (tk, hkv, _) = q.shape, k.shape
         # Sequences x heads on axis 0, which may pass 65535 programs; none launches without keys.
         runs = num_seqs and max_q and tq and tk
-        grid = (num_seqs * hq, triton.cdiv(max_q, cfg.block_m)) if runs else ()
+        grid = (num_seqs * hq, cdiv(max_q, cfg.block_m)) if runs else ()
         views = [heads_first(t) for t in (q, k, v, out)]
         spec = dict(max_lens=(max_q, max_k),
                     constexprs=hopper_config.forward_constexprs(is_causal, hq // hkv, cfg,
@@ -295,7 +294,7 @@ def _plan_varlen_forward(q, k, v, out, cu_seq_q, max_q, max_k, is_causal, window
                     launcher.run_varlen_forward, spec, Launches())
     cfg = config or forward_config(max(q.shape[2], v.shape[2]), q.dtype, is_causal,
                                    arch_key(q.device))
-    grid = (num_seqs * q.shape[1], triton.cdiv(max_q, cfg.block_m))
+    grid = (num_seqs * q.shape[1], cdiv(max_q, cfg.block_m))
     views = (virtual(t, num_seqs) for t in (q, k, v))
     spec = dict(window=window, max_lens=(max_q, max_k), constexprs=forward.constexprs(
         *views, None, cfg, is_causal=is_causal, window=window, packed=True))
@@ -341,7 +340,7 @@ def _plan_varlen_backward(grad_out, q, k, v, lse, packed_args, dq, dk, dv, is_ca
         cfg = config or hopper_config.backward_config(e, is_causal, packed=True)
         if dq.stride(2) != 1:  # the kernel's own conversion writes rows of contiguous elements
             cfg = dataclasses.replace(cfg, tail_convert=False)
-        n_q, n_kv = triton.cdiv(span_q, cfg.block_n), triton.cdiv(span_k, cfg.block_n)
+        n_q, n_kv = cdiv(span_q, cfg.block_n), cdiv(span_k, cfg.block_n)
         sms = _sms(q)
         fitted, fallback = rules.fit_schedule(requested, is_causal, window, max(n_kv, 1),
                                         lambda _: sms, shape)
@@ -361,7 +360,7 @@ def _plan_varlen_backward(grad_out, q, k, v, lse, packed_args, dq, dk, dv, is_ca
     cfg = config or backward_config(max(e, ev), q.dtype, is_causal, arch_key(q.device))
     if cfg.block_n % cfg.block_m:
         raise ValueError(f"backward config needs block_m dividing block_n, got {cfg}")
-    n_q, n_kv = triton.cdiv(span_q, cfg.block_n), triton.cdiv(span_k, cfg.block_n)
+    n_q, n_kv = cdiv(span_q, cfg.block_n), cdiv(span_k, cfg.block_n)
     if not (num_seqs and n_q and n_kv and tq and tk):  # no sequence has both queries and keys
         return Plan("backward", PORTABLE, reason, schedule, requested, None, (), cfg,
                     packed.run_varlen_backward, spec, Launches())

@@ -80,9 +80,9 @@ def _tma_descriptor(ptr: int, dtype: torch.dtype, shape: tuple[int, ...],
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A rank-4 TMA descriptor over (B, H, N, D) ``t`` in its own strides, for [1, 1, rows, D]
     boxes (a dim of length 1 gets a stride TMA accepts: it is never stepped along)."""
-    shape = tuple(t.shape)
-    strides = tuple(stride if n > 1 else 16 // t.element_size()
-                    for stride, n in zip(t.stride()[:3], shape[:3])) + (1,)
+    shape, stride, unit = t.shape, t.stride(), 16 // t.element_size()
+    strides = (stride[0] if shape[0] > 1 else unit, stride[1] if shape[1] > 1 else unit,
+               stride[2] if shape[2] > 1 else unit, 1)
     return _tma_descriptor(t.data_ptr(), t.dtype, shape, strides, (1, 1, rows, shape[3]))
 
 

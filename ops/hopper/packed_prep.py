@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .. import catalog
 from ..shared.device import head_dim_bucket
-from ..shared.launch import Launches
+from ..shared.launch import Launches, cdiv
 from ..shared.preprocess import BLOCK, row_delta
 from ..shared.tiles import crosses_edge, diagonal_origin, exp2_logsumexp, sequence_bounds
 from .deal import MAX_SORTED, write_item_prefix
@@ -52,7 +52,7 @@ def stats_start(q0, seq, q_lo, BLOCK_M: tl.constexpr):
 
 def stats_rows(total_q: int, num_seqs: int, block_m: int) -> int:
     """Rows of the stats per head: every sequence's room, a multiple of 4."""
-    return triton.cdiv(total_q + (2 * block_m + 4) * num_seqs, 4) * 4
+    return cdiv(total_q + (2 * block_m + 4) * num_seqs, 4) * 4
 
 
 @triton.jit
@@ -127,7 +127,7 @@ def packed_prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
     stats = torch.empty((2, heads * row_stride), device=out.device, dtype=torch.float32)
     prefix = (torch.empty(2 * num_seqs + 1, device=out.device, dtype=torch.int32)
               if with_prefix else None)
-    launches("packed_prepare", _packed_prep_kernel, (triton.cdiv(row_stride, BLOCK), heads), (
+    launches("packed_prepare", _packed_prep_kernel, (cdiv(row_stride, BLOCK), heads), (
         out, grad_out, lse.contiguous(), cu_seq_q, cu_seq_k, stats,
         stats if prefix is None else prefix, stats if keyless_rows is None else keyless_rows,
         *out.stride(), *grad_out.stride(), num_seqs,

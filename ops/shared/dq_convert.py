@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launches
+from .launch import Launches, cdiv
 
 #: Rows a program converts.
 BLOCK_ROWS = 64
@@ -95,7 +95,7 @@ def convert_dq(launches: Launches, dq_acc: torch.Tensor, dq: torch.Tensor,
         return
     block = BLOCK_ROWS if order is None else order.rows
     row_bits, col_bits = (0, 0) if order is None else order[1:]
-    launches("convert", _convert_kernel, (triton.cdiv(seq, block), batch * heads),
+    launches("convert", _convert_kernel, (cdiv(seq, block), batch * heads),
              (dq_acc, dq, seq, heads, dq_acc.shape[1], *dq.stride()),
              dict(E=e, HEAD_ACC=dq_acc.shape[2], BLOCK=block, TILED=order is not None,
                   ROW_BITS=row_bits, COL_BITS=col_bits))

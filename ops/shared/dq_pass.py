@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .device import head_dim_bucket
 from .dropout import Dropout, kernel_args, keep, load_state
-from .launch import Launches, dot_precision, mask_kind
+from .launch import Launches, cdiv, dot_precision, mask_kind
 from .tiles import (LOG2E, exp2_logsumexp, key_tile_range, load_tile, masked_scores, mm,
                     row_offset, sequence_rows, window_keep)
 
@@ -153,10 +153,10 @@ def launch_dq_pass(launches: Launches, q: torch.Tensor, k: torch.Tensor, v: torc
     mask_t, mask_strides = (q, (0, 0, 0, 0)) if mask is None else (mask, tuple(mask.stride()))
     if packed is None:
         cu_q, cu_k, max_q, max_k = lse, lse, 0, 0
-        grid, lse_strides = (triton.cdiv(seq_q, cfg.dq_block_m), batch * hq), (hq * seq_q, seq_q)
+        grid, lse_strides = (cdiv(seq_q, cfg.dq_block_m), batch * hq), (hq * seq_q, seq_q)
     else:
         cu_q, cu_k, max_q, max_k = packed
-        grid, lse_strides = (batch * hq, triton.cdiv(max_q, cfg.dq_block_m)), (0, seq_q)
+        grid, lse_strides = (batch * hq, cdiv(max_q, cfg.dq_block_m)), (0, seq_q)
     rng, drop_threshold, drop_scale = kernel_args(dropout, lse)
     launches("dq_pass", _backward_dq_kernel, grid, (
         q, k, v, grad_out, lse, delta, mask_t, dq, cu_q, cu_k, rng,

@@ -32,6 +32,12 @@ def virtual(t: torch.Tensor, num_seqs: int) -> torch.Tensor:
     return heads_first(t).expand(num_seqs, -1, -1, -1)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of host ints: ``triton.cdiv`` is a constexpr function whose call costs
+    microseconds on the host, in launchers that run at every call."""
+    return -(-a // b)
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (programs one after another)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

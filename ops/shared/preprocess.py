@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .device import head_dim_bucket
-from .launch import Launches
+from .launch import Launches, cdiv
 from .tiles import exp2_logsumexp
 
 #: Counters after the tickets: the work counter of the portable kernel's dynamic deal.
@@ -117,7 +117,7 @@ def prepare(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, *, row
     n_tickets = heads * (acc_rows // ticket_rows)
     buffer = torch.empty((n_tickets + COUNTERS,), device=device, dtype=torch.int32)
     block = max(BLOCK, ticket_rows)
-    launches("prepare", _preprocess_kernel, (triton.cdiv(max(row_stride, acc_rows), block), heads), (
+    launches("prepare", _preprocess_kernel, (cdiv(max(row_stride, acc_rows), block), heads), (
         out, grad_out, lse, stats, buffer if dq_acc is None else dq_acc, buffer,
         *out.stride(), *grad_out.stride(), hq, seq_q, row_stride, heads * row_stride, acc_rows,
         n_tickets), dict(EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=block, WITH_LSE2=with_lse2,
@@ -138,7 +138,7 @@ def compute_delta(out: torch.Tensor, grad_out: torch.Tensor, launches: Launches)
     and accumulators follow packed rows)."""
     batch, hq, seq_q, ev = out.shape
     delta = torch.empty((batch * hq, seq_q), device=out.device, dtype=torch.float32)
-    launches("delta", _preprocess_kernel, (triton.cdiv(seq_q, BLOCK), batch * hq), (
+    launches("delta", _preprocess_kernel, (cdiv(seq_q, BLOCK), batch * hq), (
         out, grad_out, delta, delta, delta, delta, *out.stride(), *grad_out.stride(), hq, seq_q,
         seq_q, 0, 0, 0), dict(EV=ev, HEAD_EV=head_dim_bucket(ev), BLOCK_M=BLOCK, WITH_LSE2=False,
                               HEAD_ACC=0, CLEAR=False, TICKET_ROWS=BLOCK, N_COUNTERS=COUNTERS))
