@@ -9,6 +9,8 @@ hazard of a run that would print millions."""
 
 from __future__ import annotations
 
+import ast
+import pathlib
 import re
 
 _HAZARD = re.compile(r"Potential (\w+) hazard detected at __shared__ (0x[0-9a-fA-F]+) in block "
@@ -25,8 +27,6 @@ def _lines_with(path, snippet: str) -> set[int]:
 
 
 def _is_warp_specialize(node) -> bool:
-    import ast
-
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
             and node.func.attr == "warp_specialize")
 
@@ -46,9 +46,6 @@ def known_handoffs() -> list[tuple[str, dict[str, set[int]], dict[str, set[int]]
       edge, and the red.v4 writer); ordered by the named barrier (``bar.arrive`` / ``bar.sync``)
       or the ``dq_ready`` mbarrier.
     """
-    import ast
-    import pathlib
-
     from dash_inductor.ops import hopper
 
     folder = pathlib.Path(hopper.__file__).parent
