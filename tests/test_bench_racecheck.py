@@ -43,27 +43,27 @@ def _log_of_today(log: Path = LOG, lines: dict = LOG_LINES) -> str:
                   lambda m: f"{m[1]}:{moved.get((m[1], int(m[2])), m[2])}", text)
 
 
-def test_the_stored_reports_hazards_are_all_known(tmp_path, capsys):
+def _triage(tmp_path: Path, text: str) -> int:
+    """The triage's exit status for a log of ``text``."""
     log = tmp_path / "rc.log"
-    log.write_text(_log_of_today())
-    assert racecheck_triage.triage(str(log)) == 0
+    log.write_text(text)
+    return racecheck_triage.triage(str(log))
+
+
+def test_the_stored_reports_hazards_are_all_known(tmp_path, capsys):
+    assert _triage(tmp_path, _log_of_today()) == 0
     out = capsys.readouterr().out
     assert "45 hazards in 4 groups" in out and "UNKNOWN" not in out
     assert "backward_kernel+0x2760 (backward.py:" in out  # the issue's report
 
 
 def test_a_hazard_elsewhere_is_unknown(tmp_path, capsys):
-    text = _log_of_today().replace("backward.py:", "backward.py:9")
-    log = tmp_path / "rc.log"
-    log.write_text(text)
-    assert racecheck_triage.triage(str(log)) == 1
+    assert _triage(tmp_path, _log_of_today().replace("backward.py:", "backward.py:9")) == 1
     assert "UNKNOWN" in capsys.readouterr().out
 
 
 def test_the_exit_store_at_the_branch_of_the_warp_specialize_call_is_known(tmp_path, capsys):
-    log = tmp_path / "rc.log"
-    log.write_text(_log_of_today(EXIT_LOG, EXIT_LOG_LINES))
-    assert racecheck_triage.triage(str(log)) == 0
+    assert _triage(tmp_path, _log_of_today(EXIT_LOG, EXIT_LOG_LINES)) == 0
     out = capsys.readouterr().out
     assert "8 hazards in 2 groups" in out and "UNKNOWN" not in out
 
@@ -79,9 +79,7 @@ ANALYSIS_LOG_LINES = {("backward.py", 129): "        dq_bufs.index(d).store(",
 
 
 def test_an_analysis_log_of_every_hopper_variant_is_all_known(tmp_path, capsys):
-    log = tmp_path / "rc.log"
-    log.write_text(_log_of_today(ANALYSIS_LOG, ANALYSIS_LOG_LINES))
-    assert racecheck_triage.triage(str(log)) == 0
+    assert _triage(tmp_path, _log_of_today(ANALYSIS_LOG, ANALYSIS_LOG_LINES)) == 0
     out = capsys.readouterr().out
     assert "7339800 hazards in 2831 groups" in out and "UNKNOWN" not in out
     assert "(forward.py:" in out and "(dq_writer.py:" in out
@@ -89,7 +87,5 @@ def test_an_analysis_log_of_every_hopper_variant_is_all_known(tmp_path, capsys):
 
 def test_an_analysis_race_elsewhere_is_unknown(tmp_path, capsys):
     text = _log_of_today(ANALYSIS_LOG, ANALYSIS_LOG_LINES).replace("dq_writer.py:", "dq_writer.py:9")
-    log = tmp_path / "rc.log"
-    log.write_text(text)
-    assert racecheck_triage.triage(str(log)) == 1
+    assert _triage(tmp_path, text) == 1
     assert "UNKNOWN" in capsys.readouterr().out

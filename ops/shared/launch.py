@@ -82,7 +82,7 @@ def _blocks_per_sm(compiled, device: torch.device) -> int:
         n_regs = max(int(compiled.n_regs), 1)
     except (AttributeError, RuntimeError):
         return 1
-    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    regs_per_warp = cdiv(n_regs * 32, 256) * 256
     by_regs = (getattr(props, "regs_per_multiprocessor", 65536) // regs_per_warp) // num_warps
     by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
     shared = int(compiled.metadata.shared)
