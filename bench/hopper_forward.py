@@ -5,8 +5,8 @@
 Accuracy: FlashAttention's rule on ``out`` (``dash_inductor.testing``), the logsumexp against
 float32, and the whole step (Hopper forward, then the Hopper ``shift`` backward) on the gradients;
 determinism: bitwise equal outputs over repeats; timing: forward TFLOP/s (4*B*H*N^2*D, halved when
-causal) of the Hopper forward (each tile config; at head dim 64 also ``THREE_WARPGROUPS``, "hopper
-3wg", checked and timed), the portable forward, and SDPA's cuDNN and FlashAttention-2 backends.
+causal) of the Hopper forward (its tile and others; at head dim 64 also the two-warpgroup tile,
+"hopper 2wg", checked and timed), the portable forward, and SDPA's cuDNN and FlashAttention-2 backends.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dash_inductor.ops import attention_backward, attention_forward
-from dash_inductor.ops.hopper.config import THREE_WARPGROUPS, HopperForwardConfig
+from dash_inductor.ops.hopper.config import HopperForwardConfig, forward_config
 from dash_inductor.testing import flash_rule_errors, sdpa_math_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,13 +63,13 @@ def check(shapes, repeats, log):
             lse_ref = _lse_reference(q, k, causal)
             paths = [("hopper", None), ("portable", None)]
             if shape[-1] == 64:
-                paths.append(("hopper", THREE_WARPGROUPS))
+                paths.append(("hopper", HopperForwardConfig()))
             for path, cfg in paths:
                 out, lse = _run(path, q, k, v, causal, cfg)
                 (err,) = flash_rule_errors([out], [same[0]], [ref[0]], names=("out",))
                 lse_err = (lse - lse_ref).abs().max().item()
                 ok &= err.ok and lse_err <= 1e-3
-                name = path + (" 3wg" if cfg else "")
+                name = path + (" 2wg" if cfg else "")
                 log(f"accuracy {shape} causal={causal} {name:12s} {err}  lse {lse_err:.2e}")
                 if cfg is not None:
                     same_bits = repeats_bitwise(lambda: _run(path, q, k, v, causal, cfg), repeats)
@@ -99,7 +99,7 @@ def time_forward(shapes, log):
         for causal in (False, True):
             q, k, v, _ = inputs(*shape)
             row = {"shape": shape, "causal": causal}
-            base = HopperForwardConfig()
+            base = forward_config(shape[-1])
             bench = lambda fn: bench_tflops(fn, shape, causal, passes=1.0)
             for block_n, stages in ((base.block_n, base.stages), *_TUNING):
                 cfg = dataclasses.replace(base, block_n=block_n, stages=stages)
@@ -108,8 +108,8 @@ def time_forward(shapes, log):
                     row[f"hopper n{block_n} s{stages}"] = bench(
                         lambda: _run("hopper", q, k, v, causal, cfg))
             if shape[-1] == 64:
-                row["hopper 3wg"] = bench(lambda: _run("hopper", q, k, v, causal,
-                                                       THREE_WARPGROUPS))
+                row["hopper 2wg"] = bench(lambda: _run("hopper", q, k, v, causal,
+                                                       HopperForwardConfig()))
             row["portable"] = bench(lambda: _run("portable", q, k, v, causal))
             for name, backend in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
                                   ("sdpa flash", SDPBackend.FLASH_ATTENTION)):

@@ -138,7 +138,7 @@ def _plan_forward(q, k, v, mask, out, is_causal, window, kernel, dropout, config
     batch, hq, seq_q, e = q.shape
     if path == HOPPER:
         launcher = _hopper()[0]
-        cfg = config or hopper_config.HopperForwardConfig()
+        cfg = config or hopper_config.forward_config(e)
         grid = (cdiv(seq_q, cfg.block_m), batch * hq) if seq_q and k.shape[2] else ()
         spec = dict(constexprs=hopper_config.forward_constexprs(is_causal, hq // k.shape[1], cfg),
                     copies=tuple(not support.tma_strided(t) for t in (q, k, v)),
@@ -279,7 +279,7 @@ def _plan_varlen_forward(q, k, v, out, cu_seq_q, max_q, max_k, is_causal, window
     num_seqs = cu_seq_q.numel() - 1
     if path == HOPPER:
         launcher = _hopper()[0]
-        cfg = config or hopper_config.HopperForwardConfig()
+        cfg = config or hopper_config.forward_config(q.shape[-1], varlen=True)
         (tq, hq, _), (tk, hkv, _) = q.shape, k.shape
         # Sequences x heads on axis 0, which may pass 65535 programs; none launches without keys.
         runs = num_seqs and max_q and tq and tk

@@ -3,7 +3,7 @@ a change to one should be a decision with a measurement, not an accident."""
 
 import pytest
 
-from dash_inductor.ops.hopper.config import FORWARD_MIN_SEQ, HopperForwardConfig, backward_config
+from dash_inductor.ops.hopper.config import FORWARD_MIN_SEQ, backward_config, forward_config
 
 #: (head dim, causal, packed) -> (block_m, stages, dq_stages, dk_in_flight, named_handoff,
 #: writer_regs, heads_outer, tail_convert, claimed_deal, dq_row_warps)
@@ -30,7 +30,18 @@ def test_backward_configs_are_the_measured_ones(key):
     assert cfg.dq_fragment_order == (not key[2])  # packed tiles stay row-major (dq_order.py)
 
 
-def test_forward_config_and_its_threshold():
-    cfg = HopperForwardConfig()
-    assert (cfg.block_m, cfg.block_n, cfg.stages, cfg.warpgroup_rows) == (128, 128, 3, 64)
+#: (head dim, packed) -> (block_m, block_n, stages, softmax warpgroups, their registers)
+FORWARD_PINNED = {(64, False): (192, 128, 3, 3, 160), (64, True): (128, 128, 3, 2, 240),
+                  (128, False): (128, 128, 3, 2, 240), (128, True): (128, 128, 3, 2, 240)}
+
+
+@pytest.mark.parametrize("key", FORWARD_PINNED, ids=str)
+def test_forward_configs_are_the_measured_ones(key):
+    cfg = forward_config(*key)
+    assert (cfg.block_m, cfg.block_n, cfg.stages, cfg.softmax_groups,
+            cfg.softmax_regs) == FORWARD_PINNED[key]
+    assert cfg.warpgroup_rows == 64 and cfg.load_regs == 24
+
+
+def test_forward_threshold():
     assert FORWARD_MIN_SEQ == {64: 4096, 128: 2048}

@@ -104,14 +104,13 @@ def backward_config(head_dim: int, causal: bool, packed: bool = False) -> Hopper
 @dataclass(frozen=True)
 class HopperForwardConfig:
     """Tile shape of the warp-specialized forward: ``block_m`` query rows per program, split over
-    ``softmax_groups`` softmax warpgroups (two, or three with 192 rows as FlashAttention-3's
-    head-dim-64 tile: :data:`THREE_WARPGROUPS`), ``block_n`` keys per KV tile, ``stages`` K/V
-    buffers (three fit beside the Q tile at both head dims and beat two); registers per worker
+    ``softmax_groups`` softmax warpgroups of 64 rows (two, or three as FlashAttention-3's
+    head-dim-64 tile), ``block_n`` keys per KV tile, ``stages`` K/V buffers; registers per worker
     partition (setmaxnreg); ``num_warps`` of each softmax partition."""
 
     block_m: int = 128
     block_n: int = 128
-    stages: int = 3
+    stages: int = 3  # three fit beside the Q tile at both head dims and beat two
     softmax_groups: int = 2
     softmax_regs: int = 240
     load_regs: int = 24
@@ -123,12 +122,17 @@ class HopperForwardConfig:
         return self.block_m // self.softmax_groups
 
 
-#: Three softmax warpgroups of 64 rows: each K/V tile loaded serves 192 rows instead of 128. The
-#: loader's warp counts as a warpgroup, so each gets about 160 registers: with 128-key tiles ptxas
-#: spills (160) or serializes the wgmma (168); 64-key tiles fit, four stages of them. Dense only;
-#: not a default: at head dim 64 it tied unmasked and lost 8% causal (docs/maintainers/tuning.md).
-THREE_WARPGROUPS = HopperForwardConfig(block_m=192, block_n=64, stages=4, softmax_groups=3,
-                                       softmax_regs=160)
+#: Three softmax warpgroups of 64 rows, FlashAttention-3's head-dim-64 tile (192 x 128): each K/V
+#: tile loaded serves 192 rows instead of 128. The loader's warp counts as a warpgroup, so each
+#: gets 160 registers, which hold a 128-key step because P is carried in bf16.
+THREE_WARPGROUPS = HopperForwardConfig(block_m=192, softmax_groups=3, softmax_regs=160)
+
+
+def forward_config(head_dim: int, varlen: bool = False) -> HopperForwardConfig:
+    """The forward's tile: three warpgroups at head dim 64 (where a step's MMAs are short and the
+    K/V loads weigh most), two at 128 (its O accumulator does not fit 160 registers) and for
+    packed sequences (whose tile-crossing stores take two)."""
+    return THREE_WARPGROUPS if head_dim == 64 and not varlen else HopperForwardConfig()
 
 
 def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig,

@@ -5,8 +5,8 @@ Three partitions (the split of FlashAttention-3's forward, Shah et al. 2024):
 - ``_load_partition`` (1 warp): TMA loads of the program's Q parts once, then of K and V tile
   by tile through a ring of shared-memory stages; K and V have barriers of their own, so
   S = Q K^T can start before V has landed.
-- ``_softmax_partition``, two or three times (one warpgroup each, 64 query rows each; three as
-  FlashAttention-3's head-dim-64 tile, so a K/V tile serves 192 rows): the online softmax of
+- ``_softmax_partition``, two or three times (one warpgroup each, 64 query rows each; three at
+  head dim 64, FlashAttention-3's tile there, so a K/V tile serves 192 rows): the online softmax of
   FlashAttention-2 in the exp2 domain with wgmma. Each step issues the next tile's S = Q K^T and
   the previous tile's O += P V together, and computes the next tile's softmax while P V runs
   (FlashAttention-3's intra-warpgroup overlap). The warpgroups meet only at the K/V ring, so one's
@@ -185,13 +185,14 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
     m_i = _row_max(gl.max(s, 1), KEYLESS)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_i * qk_scale, 1))
     l_i = gl.sum(p, 1)
+    p = p.to(dtype)  # carried into the next step as the MMA operand: half the registers of fp32
     acc = gl.zeros([PART_M, HEAD_D], gl.float32, layout=o_layout)
     for j in range(1, n_tiles):
         st = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = gl.convert_layout(p, p_layout)
         s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
         acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
@@ -201,6 +202,7 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
         alpha = gl.exp2((m_i - m_new) * qk_scale)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new * qk_scale, 1))
         l_i = l_i * alpha + gl.sum(p, 1)
+        p = p.to(dtype)
         m_i = m_new
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(prev), count=1)
@@ -216,7 +218,7 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
                 mbarrier.arrive(v_clear, count=1)
             else:
                 mbarrier.wait(v_clear, 0)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    p_op = gl.convert_layout(p, p_layout)
     acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(kv_empty.index(last), count=1)

@@ -81,7 +81,7 @@ def test_flash_rule_every_schedule(shape, causal, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(2, 8, 8, 1000, 64), (1, 8, 2, 777, 64)], ids=str)
 def test_the_three_warpgroup_forward_follows_the_flash_rule_with_the_same_bits(shape, causal):
-    """The 192-row Hopper forward (``THREE_WARPGROUPS``, a head-dim-64 candidate): out by
+    """The 192-row Hopper forward (``THREE_WARPGROUPS``, the dense head-dim-64 tile): out by
     FlashAttention's rule, the logsumexp within 1e-3 of float32's, the same bits over 20 repeats;
     rows not a multiple of 192, GQA."""
     if KERNEL != "hopper":
