@@ -6,7 +6,8 @@ Accuracy: FlashAttention's rule on ``out`` (``dash_inductor.testing``), the logs
 float32, and the whole step (Hopper forward, then the Hopper ``shift`` backward) on the gradients;
 determinism: bitwise equal outputs over repeats; timing: forward TFLOP/s (4*B*H*N^2*D, halved when
 causal) of the Hopper forward (its tile and others; at head dim 64 also the two-warpgroup tile,
-"hopper 2wg", checked and timed), the portable forward, and SDPA's cuDNN and FlashAttention-2 backends.
+"hopper 2wg", checked and timed), the portable forward, and SDPA's cuDNN and FlashAttention-2
+backends.
 """
 
 from __future__ import annotations
