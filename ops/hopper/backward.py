@@ -118,15 +118,14 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     # arrive (NAMED_HANDOFF) is each thread's own. Where the writer frees the stages
     # (WRITER_FREES), the step hands over its partial and nothing else.
     if COMPUTE_DQ:
-        if WRITER_FREES and not DK_IN_FLIGHT:
-            # dK retires before the hand-off, so that the writer frees this step's stage with
-            # its partial. (Retiring it after the dQ store, under that store, crashed ptxas
-            # 12.8 and 12.9.)
-            dq, dv, dk = warpgroup_mma_wait(0, deps=(dq, dv, dk))
-        else:
-            dq, dv, dk = warpgroup_mma_wait(1, deps=(dq, dv, dk))
+        # dQ is staged while dK's MMA runs (FlashAttention-4's order).
+        dq, dv, dk = warpgroup_mma_wait(1, deps=(dq, dv, dk))
         mbarrier.wait(dq_empty.index(d), ((it // DQ_STAGES) & 1) ^ 1)
         dq_bufs.index(d).store(dq * sm_scale)
+        if WRITER_FREES and not DK_IN_FLIGHT:
+            # dK retires before the hand-off, so that the writer frees this step's stage with
+            # its partial.
+            dk = warpgroup_mma_wait(0, deps=(dk, ))
         fence_async_shared()  # the writer's TMA reads the partial (the async proxy)
         if NAMED_HANDOFF:
             # A named barrier has no phases: this arrive may not run ahead of the writer's wait
