@@ -124,7 +124,7 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
         dq_bufs.index(d).store(dq * sm_scale)
         if WRITER_FREES and not DK_IN_FLIGHT:
             # dK retires before the hand-off, so that the writer frees this step's stage with
-            # its partial.
+            # its partial; before the fence, as ptxas 12.8 segfaults on this wait after it.
             dk = warpgroup_mma_wait(0, deps=(dk, ))
         fence_async_shared()  # the writer's TMA reads the partial (the async proxy)
         if NAMED_HANDOFF:
