@@ -189,7 +189,7 @@ def _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal, window, sche
                                               shape)
         per_head, items, grid, constexprs = hopper_config.backward_geometry(
             fitted, cfg, batch, k.shape[1], n_kv, is_causal, hq // k.shape[1],
-            seq_k % cfg.block_n == 0, window != NO_WINDOW, False, sms)
+            seq_k % cfg.block_n == 0, window != NO_WINDOW, False, sms, dropout)
         spec = dict(
             window=window, causal=is_causal, shape=shape, tiles=(n_q, n_kv),
             items=(per_head, items), constexprs=constexprs,

@@ -27,8 +27,8 @@ NO_WINDOW = (-1, -1)
 def hopper_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         mask: torch.Tensor | None, window: tuple[int, int], op: str,
                         dropout: bool = False) -> str | None:
-    if dropout:  # the portable kernels draw the same mask (ops/shared/dropout.py)
-        return "dropout_p > 0 (the Hopper kernels have no dropout)"
+    if dropout and op == "forward":  # the portable kernels draw the same mask (ops/shared/dropout.py)
+        return "dropout_p > 0 (the Hopper forward has no dropout)"
     if op == "forward" and tuple(window) != NO_WINDOW:
         return f"window_size={tuple(window)} (the Hopper forward takes no sliding window)"
     if q.device.type != "cuda":

@@ -88,6 +88,18 @@ def test_window_and_packed_backward_compile_for_sm90(variants, head_dim, schedul
                     schedule, head_dim, causal, varlen)
 
 
+@pytest.mark.parametrize("schedule, causal", aot.DROPOUT_VARIANTS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dropout_backward_compiles_for_sm90(variants, head_dim, schedule, causal):
+    """The backward with dropout draws the keep mask in the kernel (ten Philox rounds of 64-bit
+    products) and keeps the plain variant's pipeline and shared memory."""
+    row = variants[("bf16", head_dim, schedule, causal, "dense-dropout")]
+    plain = variants[("bf16", head_dim, schedule, causal, "dense")]
+    _check_backward(row, schedule, head_dim, causal)
+    assert row["wide_multiplies"] >= plain["wide_multiplies"] + 20
+    assert row["shared"] == plain["shared"]
+
+
 @pytest.mark.parametrize("schedule, causal", aot.DQ_COLUMNS_VARIANTS)
 def test_dq_rows_split_over_the_warpgroups_compile_for_sm90(variants, schedule, causal):
     """Head dim 64's default ``dq_row_warps=8``: each warpgroup's dQ MMA covers its 64 rows and

@@ -38,11 +38,11 @@ def _descriptor(dtype: str, block: list[int]) -> str:
 
 def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, group: int = 1,
                      even_s: bool = True, cfg: HopperBackwardConfig | None = None,
-                     window: bool = False, varlen: bool = False):
+                     window: bool = False, varlen: bool = False, dropout: bool = False):
     """The compiled backward kernel (``triton.compiler.CompiledKernel``) for one variant, for sm90."""
     cfg = cfg or backward_config(head_dim, causal, packed=varlen)
     constexprs = backward_constexprs(get_schedule(schedule), causal, group, even_s and not varlen,
-                                     cfg, window, varlen)
+                                     cfg, window, varlen, dropout)
     q_block = _descriptor(dtype, [1, 1, cfg.block_m, head_dim])
     kv_block = _descriptor(dtype, [1, 1, cfg.block_n, head_dim])
     stats_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m], gl.float32)
@@ -64,7 +64,8 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
     signature.update({name: "i32" for name in ("HQ", "HKV", "L", "S", "n_q", "n_kv", "max_q",
                                                "max_k", "row_stride", "stats_stride", "win_left",
                                                "win_right", "items_per_head", "total_items")})
-    signature.update({"qk_scale": "fp32", "sm_scale": "fp32", "max_spin": "i32"})
+    signature.update({"qk_scale": "fp32", "sm_scale": "fp32", "max_spin": "i32", "RNG": "*i64",
+                      "drop_threshold": "i32", "drop_scale": "fp32"})
     signature.update({name: "constexpr" for name in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
              if kind.startswith("*")}
@@ -107,6 +108,8 @@ _PTX_FEATURES = {
     "named_arrives": r"\bbar\.arrive\b",
     # 8-byte shared stores: the row-major dQ staging's (the fragment order stores 16 bytes)
     "shared_v2_stores": r"st\.shared\.v2\.[bf]32",
+    # Philox rounds: each a 32 x 32 -> 64-bit product (dropout's keep mask)
+    "wide_multiplies": r"mul\.wide\.u32",
 }
 
 
@@ -144,6 +147,10 @@ MASKED_VARIANTS = (("descending", True, True, False), ("ascending", False, True,
 #: besides in bf16 for one ordered schedule of each mask: variant "dense-red-writer".
 RED_WRITER_VARIANTS = (("shift", False), ("descending", True))
 
+#: The backward with attention dropout (``dropout.py``), compiled besides in bf16 for dense
+#: problems (packed ones with dropout run the portable kernels): variant "dense-dropout".
+DROPOUT_VARIANTS = (("descending", False), ("shift", True), ("recompute", True))
+
 #: dQ's columns split over the warpgroups at head dim 64 (``dq_row_warps=4``, the default before
 #: the row split, kept for A/B runs), compiled besides in bf16 for ``auto``'s schedule of each
 #: mask: variant "dense-dq-columns".
@@ -167,7 +174,7 @@ def variant_name(window: bool, varlen: bool) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Compile every forward variant (dense and packed) and dense backward variant of one dtype,
-    and in bf16 MASKED_VARIANTS and RED_WRITER_VARIANTS; print one JSON line per variant
+    and in bf16 MASKED_VARIANTS, DROPOUT_VARIANTS and RED_WRITER_VARIANTS; print one JSON line per variant
     (``schedule`` is "forward" for the forward kernel)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--dtype", choices=sorted(_GL_DTYPES), required=True)
@@ -209,6 +216,12 @@ def main(argv: list[str] | None = None) -> None:
                                         window=window, varlen=varlen)
             key = dict(dtype=args.dtype, head_dim=head_dim, schedule=schedule, causal=causal,
                        variant=variant_name(window, varlen))
+            print(json.dumps({**key, **summary(compiled)}), flush=True)
+        for schedule, causal in DROPOUT_VARIANTS if args.dtype == "bf16" else ():
+            compiled = compile_backward(args.dtype, head_dim, schedule, causal,
+                                        group=4 if causal else 1, even_s=not causal, dropout=True)
+            key = dict(dtype=args.dtype, head_dim=head_dim, schedule=schedule, causal=causal,
+                       variant="dense-dropout")
             print(json.dumps({**key, **summary(compiled)}), flush=True)
         for schedule, causal in RED_WRITER_VARIANTS if args.dtype == "bf16" else ():
             cfg = dataclasses.replace(backward_config(head_dim, causal), dq_tma=False)

@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
-from . import deal, dq_tail, walk
+from . import deal, dq_tail, dropout, walk
 from .dq_order import dq_mma_layout, staging_layout
 from .dq_writer import dq_writer_partition
 from .loader import load_partition
@@ -51,9 +51,13 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
           a_layout: gl.constexpr, dq_layout: gl.constexpr, CAUSAL: gl.constexpr,
           WINDOW: gl.constexpr, VARLEN: gl.constexpr, EVEN_S: gl.constexpr,
           COMPUTE_DQ: gl.constexpr, DK_IN_FLIGHT: gl.constexpr, NAMED_HANDOFF: gl.constexpr,
-          WRITER_FREES: gl.constexpr, HANDOFF_THREADS: gl.constexpr, num_warps: gl.constexpr):
+          WRITER_FREES: gl.constexpr, HANDOFF_THREADS: gl.constexpr, num_warps: gl.constexpr,
+          drop, DROPOUT: gl.constexpr):
     """One step of a KV tile: S^T, P^T, dP^T, dS^T for the Q sub-tile of rows [row0, row0 +
-    BLOCK_M) in stage ``it``; dV and dK accumulate (returned), the dQ partial goes to the writer."""
+    BLOCK_M) in stage ``it``; dV and dK accumulate (returned), the dQ partial goes to the writer.
+    DROPOUT (``dropout.py``; ``drop`` = (seed, offset, threshold, scale, bh, L)): dV takes the
+    dropped P^T (scaled once, at the store), dS^T the dropped and scaled dP^T, as the portable
+    kernel does."""
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -73,6 +77,9 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if DROPOUT:  # drawn while the two MMAs run
+        seed, offset, threshold, drop_scale, bh, L = drop
+        kept = dropout.keep_t(seed, offset, threshold, bh, row0, cols, L, S, BLOCK_M, s_layout)
     if DK_IN_FLIGHT:
         # In flight: the previous step's dK, then S^T and dP^T. Waiting for S^T also retires
         # that dK; its Q/dO stage is released with this step's hand-off (below).
@@ -95,8 +102,16 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
         p_t = gl.where(inside, p_t, 0.0)
     if not (VARLEN or EVEN_S):
         p_t = gl.where(keys < S, p_t, 0.0)
-    dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
-    dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+    if DROPOUT:
+        # dP^T first, so that each mask bit is used twice at once: held across the dV MMA's
+        # issue, ptxas packed the 32 predicates into registers (~100 more instructions a step).
+        dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
+        dp_t = gl.where(kept, dp_t * drop_scale, 0.0)
+        p_v = gl.where(kept, p_t, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(p_v.to(dtype), a_layout), do_s, dv, is_async=True)
+    else:
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
     delta = delta_bufs.index(s).load(row_layout)
     ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
     if COMPUTE_DQ or DK_IN_FLIGHT:
@@ -148,9 +163,11 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
 
 @gluon.jit
 def _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb, stride_dkh,
-                 stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, offs_kn, offs_kd,
-                 dtype: gl.constexpr):
-    """Write KV tile ``kv``'s finished dK (scaled) and dV, the keys of its sequence only."""
+                 stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, dv_scale, offs_kn,
+                 offs_kd, dtype: gl.constexpr):
+    """Write KV tile ``kv``'s finished dK and dV, scaled (dV by dropout's 1 / (1 - p), 1.0
+    without: the kept P^T summed, then scaled once, as the portable kernel), the keys of its
+    sequence only."""
     BLOCK_N: gl.constexpr = offs_kn.shape[0]
     keys = kv * BLOCK_N + offs_kn
     in_keys = gl.expand_dims((keys >= k_lo) & (keys < k_hi), 1)
@@ -160,7 +177,7 @@ def _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb, st
     dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hkv.to(gl.int64) * stride_dvh
                + packed_keys * stride_dvn + gl.expand_dims(offs_kd, 0))
     gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=in_keys)
-    gl.store(dv_ptrs, dv.to(dtype), mask=in_keys)
+    gl.store(dv_ptrs, (dv * dv_scale).to(dtype), mask=in_keys)
 
 
 @gluon.jit
@@ -177,7 +194,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                        NAMED_HANDOFF: gl.constexpr, WRITER_FREES: gl.constexpr,
                        HANDOFF_THREADS: gl.constexpr, VISIT_HEADS: gl.constexpr,
                        UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr, CLAIMED: gl.constexpr,
-                       DQ_ROW_WARPS: gl.constexpr, num_warps: gl.constexpr):
+                       DQ_ROW_WARPS: gl.constexpr, num_warps: gl.constexpr, RNG, drop_threshold,
+                       drop_scale, DROPOUT: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -196,6 +214,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     offs_kd = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
+    seed, offset = dropout.load_state(RNG, DROPOUT)
     it = 0
     tile = 0
     w = walk.start(items_per_head, total_items, HKV, PREFIX, L, S, n_q, n_kv, CU_Q, CU_K, max_q,
@@ -229,6 +248,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                                             WINDOW)
                 first_it = it
                 for g in range(g_lo, g_hi):
+                    drop = (seed, offset, drop_threshold, drop_scale, b * HQ + hkv * GROUP + g, L)
                     for step in range(count * NSUB):
                         _, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
                                                        tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,
@@ -240,7 +260,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                                            win_left, win_right, qk_scale, sm_scale,
                                            s_layout, a_layout, dq_layout, CAUSAL, WINDOW, VARLEN,
                                            EVEN_S, COMPUTE_DQ, DK_IN_FLIGHT, NAMED_HANDOFF,
-                                           WRITER_FREES, HANDOFF_THREADS, num_warps)
+                                           WRITER_FREES, HANDOFF_THREADS, num_warps, drop,
+                                           DROPOUT)
                             it += 1
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
                 if DK_IN_FLIGHT and it > first_it:
@@ -254,11 +275,11 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                     else:
                         _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb,
                                      stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                                     sm_scale, offs_kn, offs_kd, dtype)
+                                     sm_scale, drop_scale, offs_kn, offs_kd, dtype)
                 else:
                     _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb,
                                  stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                                 sm_scale, offs_kn, offs_kd, dtype)
+                                 sm_scale, drop_scale, offs_kn, offs_kd, dtype)
         work = w.next(work, claim, num_warps)
         claim += 1
     if TAIL_CONVERT:  # out of items: convert the finished rows while the others compute
@@ -274,7 +295,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                     HKV, L, S, n_q, n_kv,
                     max_q, max_k, row_stride, stats_stride, win_left, win_right,
                     items_per_head, total_items, qk_scale,
-                    sm_scale, max_spin,
+                    sm_scale, max_spin, RNG, drop_threshold, drop_scale,
                     GROUP: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
                     NUM_SLOTS: gl.constexpr, COMPUTE_DQ: gl.constexpr, ORDERED: gl.constexpr,
                     EVEN_S: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
@@ -284,7 +305,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                     DQ_ROW_WARPS: gl.constexpr,
                     NAMED_HANDOFF: gl.constexpr, VISIT_HEADS: gl.constexpr, UNPADDED: gl.constexpr, TAIL_CONVERT: gl.constexpr,
                     CLAIMED: gl.constexpr, LOAD_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    DROPOUT: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV (written) and dQ partials (added into DQACC) of every work item; see the module doc.
 
     Dense: rank-4 descriptors over (B, heads, rows, D) in the tensors' own strides, row stats and
@@ -297,7 +318,8 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     (``deal.py``). VISIT_HEADS < GROUP: STASH holds each program's fp32 dK and dV of its
     items' KV tiles between their visits, (programs, NUM_SLOTS, 2, BLOCK_N, D). DQ_FRAGMENT:
     DQACC holds each tile of BLOCK_M rows in fragment order (``dq_order.py``), dq_desc over it
-    as rows of ``dq_order.FLAT`` floats; else dq_desc over its rows of D.
+    as rows of ``dq_order.FLAT`` floats; else dq_desc over its rows of D. DROPOUT: ``dropout.py``'s
+    mask from RNG's int64 (seed, offset), as the portable kernel applies it.
     """
     dtype: gl.constexpr = q_desc.dtype
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -372,7 +394,7 @@ def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                               GROUP, CAUSAL, SCHEDULE, NUM_SLOTS, COMPUTE_DQ, EVEN_S, DK_IN_FLIGHT,
                               WINDOW, VARLEN, NAMED_HANDOFF, WRITER_FREES, HANDOFF_THREADS,
                               VISIT_HEADS, UNPADDED, TAIL_CONVERT, CLAIMED, DQ_ROW_WARPS,
-                              num_warps)),
+                              num_warps, RNG, drop_threshold, drop_scale, DROPOUT)),
         (load_partition, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                            lse_bufs, delta_bufs, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                            work_slots, work_ready, work_empty, CLAIMS, ERR, max_spin, CU_Q,

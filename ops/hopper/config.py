@@ -185,7 +185,7 @@ def dq_fragment(cfg: HopperBackwardConfig, varlen: bool) -> bool:
 
 def backward_constexprs(sched: Schedule, causal: bool, group: int, even_s: bool,
                         cfg: HopperBackwardConfig, window: bool = False,
-                        varlen: bool = False) -> dict[str, object]:
+                        varlen: bool = False, dropout: bool = False) -> dict[str, object]:
     """The kernel's compile-time arguments for one launch."""
     schedule = sched.name
     return dict(GROUP=group, CAUSAL=causal, SCHEDULE=sched.id, NUM_SLOTS=sched.slots(causal),
@@ -201,12 +201,13 @@ def backward_constexprs(sched: Schedule, causal: bool, group: int, even_s: bool,
                 TAIL_CONVERT=tail_convert(cfg, schedule, varlen),
                 CLAIMED=cfg.claimed_deal and unpadded_deal(cfg, schedule, varlen),
                 LOAD_REGS=cfg.load_regs,
-                WRITER_REGS=cfg.writer_regs, num_warps=cfg.num_warps)
+                WRITER_REGS=cfg.writer_regs, DROPOUT=dropout, num_warps=cfg.num_warps)
 
 
 def backward_geometry(schedule: Schedule, cfg: HopperBackwardConfig, batch: int, hkv: int,
                       n_kv: int, is_causal: bool, group: int, even_s: bool, windowed: bool,
-                      varlen: bool, sms: int) -> tuple[int, int, tuple[int], dict[str, object]]:
+                      varlen: bool, sms: int,
+                      dropout: bool = False) -> tuple[int, int, tuple[int], dict[str, object]]:
     """(items per head, items, grid, constexprs) of a backward launch, which shapes and options
     alone decide."""
     per_head = schedule.items_per_head(n_kv, is_causal)
@@ -217,4 +218,4 @@ def backward_geometry(schedule: Schedule, cfg: HopperBackwardConfig, batch: int,
     aligned = cfg.aligned_grid and schedule.ordered and equal_items
     programs = ordered_programs(per_head, sms) if aligned else sms
     return per_head, total_items, (min(total_items, programs),), backward_constexprs(
-        schedule, is_causal, group, even_s, cfg, windowed, varlen)
+        schedule, is_causal, group, even_s, cfg, windowed, varlen, dropout)

@@ -16,6 +16,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..plan import Plan
 from ..shared.dq_convert import TileOrder, convert_dq
 from ..shared.dq_pass import launch_dq_pass
+from ..shared.dropout import Dropout, kernel_args
 from ..shared.errors import spin_flag, watch_spin_flag
 from ..shared.launch import heads_first, virtual
 from ..shared.offsets_check import check_offsets
@@ -169,13 +170,13 @@ def run_varlen_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 def _launch(plan: Plan, views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor | None,
             tickets: torch.Tensor, packed: tuple | None,
             prefix: torch.Tensor | None, sizes: tuple[int, ...], scale: float, max_spin: int,
-            dq: torch.Tensor | None = None) -> None:
+            dq: torch.Tensor | None = None, dropout: Dropout | None = None) -> None:
     """One launch of the backward kernel over (B, H, N, D) ``views`` = (q, k, v, grad_out, dk,
     dv); ``sizes`` = (batch entries, L, S, Q tiles, KV tiles, rows per head of the dQ
     accumulator, of the stats); ``dq_acc`` None when dQ is computed apart; ``tickets`` zeros;
     ``prefix`` the unpadded deal's (``packed_prep.py``); ``dq`` the (T, H,
     D) gradient where the kernel converts the accumulator itself (``dq_tail.py``, its counters
-    after the tickets)."""
+    after the tickets); ``dropout`` the forward's (dense only)."""
     q, k, v, grad_out, dk, dv = views
     cfg, spec = plan.config, plan.spec
     per_head, total_items, constexprs = spec["items"] + (spec["constexprs"],)
@@ -196,15 +197,15 @@ def _launch(plan: Plan, views: tuple, stats: torch.Tensor, dq_acc: torch.Tensor 
         dk_batch, dk.stride(1), dk.stride(2), dv_batch, dv.stride(1), dv.stride(2), *dq_strides,
         q.shape[1], k.shape[1], *sizes[1:5], max_q, max_k, *sizes[5:], *spec["window"],
         per_head, total_items,
-        scale * LOG2E, scale, max_spin), constexprs)
+        scale * LOG2E, scale, max_spin, *kernel_args(dropout, tickets)), constexprs)
 
 
 def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, mask: None,
                  dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float,
-                 max_spin: int, dropout: None = None) -> None:
+                 max_spin: int, dropout: Dropout | None = None) -> None:
     """Write dq, dk, dv with the Hopper kernel (the portable launcher's arguments; ``mask`` is
-    None here). One CTA per SM (its shared memory takes the SM), so a grid of at most the SM
+    None here), with the forward's ``dropout``. One CTA per SM (its shared memory takes the SM), so a grid of at most the SM
     count is co-resident and the ordered waits cannot hang."""
     cfg, spec, schedule = plan.config, plan.spec, plan.schedule
     batch, seq_q, seq_k = q.shape[0], q.shape[2], k.shape[2]
@@ -217,7 +218,7 @@ def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         acc_dim=0 if schedule.separate_dq else q.shape[3], ticket_rows=cfg.block_m,
         with_lse2=True, clear_acc=spec["clear_acc"], launches=plan.launches)
     _launch(plan, (q, k, v, grad_out, dk, dv), stats, dq_acc, tickets, None, None,
-            (batch, seq_q, seq_k, n_q, n_kv, rows, rows), scale, max_spin)
+            (batch, seq_q, seq_k, n_q, n_kv, rows, rows), scale, max_spin, dropout=dropout)
     if spec["zero_tail"]:  # keys after the last query tile: no causal query sees them
         dk[:, :, rows:].zero_()
         dv[:, :, rows:].zero_()
@@ -225,7 +226,7 @@ def run_backward(plan: Plan, grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         launch_dq_pass(plan.launches, q, k, v, grad_out, lse,
                        compute_delta(out, grad_out, plan.launches), None, dq,
                        is_causal=spec["causal"], scale=scale, cfg=spec["dq_config"],
-                       window=spec["window"])
+                       window=spec["window"], dropout=dropout)
     else:
         order = None
         if spec["constexprs"]["DQ_FRAGMENT"]:

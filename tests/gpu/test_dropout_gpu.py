@@ -1,0 +1,106 @@
+"""GPU tests of attention dropout in the Hopper backward (the forward with dropout runs the
+portable kernels): the mask it draws is ``shared/dropout.py``'s bit for bit, its gradients meet
+FlashAttention's accuracy rule against a reference that applies that mask, and its bits repeat.
+
+Only a GPU runs the Gluon kernels; the CPU tests (tests/test_dropout.py) check the mask's formula
+on the portable kernels in the interpreter.
+"""
+
+import pytest
+import torch
+
+from dash_inductor.library.dropout import keep_mask
+from dash_inductor.ops import attention_backward, attention_forward
+from dash_inductor.ops.catalog import DETERMINISTIC
+from dash_inductor.ops.shared.dropout import Dropout
+from dash_inductor.testing import assert_flash_rule
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available()
+                                 or torch.cuda.get_device_capability()[0] != 9,
+                                 reason="the Hopper kernels need an sm90 GPU")]
+
+P = 0.2
+# Both 32-bit words of the seed and of the counter in use.
+STATE = (0x1234_5678_9ABC_DEF0 >> 1, (1 << 62) - 7)
+
+
+def _dropout():
+    return Dropout(P, torch.tensor(STATE, dtype=torch.int64, device="cuda"))
+
+
+def _inputs(batch, hq, hkv, seq, dim, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((batch, hq, seq, dim), (batch, hkv, seq, dim), (batch, hkv, seq, dim),
+              (batch, hq, seq, dim))
+    return tuple(torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen)
+                 for s in shapes)
+
+
+def _ours(q, k, v, do, causal, schedule, kernel="hopper"):
+    """The portable forward with dropout, then the backward on ``kernel``."""
+    scale = q.shape[-1] ** -0.5
+    out = torch.empty_like(do)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale, kernel="portable",
+                      dropout=_dropout())
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    plan = attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
+                              scale=scale, schedule=schedule, kernel=kernel, dropout=_dropout())
+    assert plan.kernel == kernel
+    return out, dq, dk, dv
+
+
+def _reference(q, k, v, do, causal, dtype):
+    """(out, dq, dk, dv) of softmax(q k^T * scale) with the keep mask applied, scaled by
+    1 / (1 - p), times v, computed in ``dtype`` by autograd."""
+    keep = keep_mask(_dropout().rng, P, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    group = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(group, dim=1) for t in leaves[1:])
+    scores = leaves[0] @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        above = torch.ones(scores.shape[-2:], dtype=torch.bool, device="cuda").triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs * keep / (1 - P)) @ vv
+    out.backward(do.to(dtype))
+    return (out.detach(), *(t.grad for t in leaves))
+
+
+SHAPES = [(2, 8, 8, 1024, 64), (1, 16, 16, 2048, 128), (2, 8, 2, 1000, 128)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_the_hopper_backward_with_dropout_follows_the_flash_rule(shape, causal):
+    q, k, v, do = _inputs(*shape)
+    ref = _reference(q, k, v, do, causal, torch.float32)
+    same = _reference(q, k, v, do, causal, torch.bfloat16)
+    for schedule in DETERMINISTIC:
+        assert_flash_rule(_ours(q, k, v, do, causal, schedule), same, ref, what=schedule)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_hopper_backward_drops_the_portable_mask(head_dim):
+    """q = 0 makes P uniform (1 / S), and an identity grad_out makes dV = (keep / (S (1 - p)))^T:
+    an element of dV is zero exactly where the mask dropped it."""
+    batch, heads, seq_k = 2, 4, 384
+    q = torch.zeros(batch, heads, head_dim, head_dim, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    k, v = (torch.randn(batch, heads, seq_k, head_dim, device="cuda", dtype=torch.bfloat16,
+                        generator=gen) for _ in range(2))
+    do = torch.eye(head_dim, device="cuda", dtype=torch.bfloat16).expand_as(q).contiguous()
+    keep = keep_mask(_dropout().rng, P, (batch, heads, head_dim, seq_k))
+    for kernel in ("portable", "hopper"):
+        _, _, _, dv = _ours(q, k, v, do, False, "descending", kernel)
+        assert torch.equal(dv != 0, keep.transpose(-1, -2)), kernel
+
+
+@pytest.mark.parametrize("schedule", DETERMINISTIC)
+def test_the_hopper_backward_with_dropout_repeats_its_bits(schedule):
+    q, k, v, do = _inputs(2, 8, 2, 1536, 128, seed=3)
+    first = _ours(q, k, v, do, True, schedule)
+    for _ in range(20):
+        again = _ours(q, k, v, do, True, schedule)
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), schedule
