@@ -134,13 +134,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _plan_forward(q, k, v, mask, out, is_causal, window, kernel, dropout, config) -> Plan:
-    path, reason = rules.forward_path(kernel, q, k, v, mask, window, dropout)
+    path, reason = rules.forward_path(kernel, q, k, v, mask, window)
     batch, hq, seq_q, e = q.shape
     if path == HOPPER:
         launcher = _hopper()[0]
-        cfg = config or hopper_config.forward_config(e)
+        cfg = config or hopper_config.forward_config(e, dropout=dropout)
         grid = (cdiv(seq_q, cfg.block_m), batch * hq) if seq_q and k.shape[2] else ()
-        spec = dict(constexprs=hopper_config.forward_constexprs(is_causal, hq // k.shape[1], cfg),
+        spec = dict(constexprs=hopper_config.forward_constexprs(is_causal, hq // k.shape[1], cfg,
+                                                                dropout=dropout),
                     copies=tuple(not support.tma_strided(t) for t in (q, k, v)),
                     stage_out=not support.tma_strided(out))
         return Plan("forward", HOPPER, reason, None, None, None, grid, cfg,
@@ -175,7 +176,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 def _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal, window, schedule, max_spin,
                    kernel, dropout, config) -> Plan:
-    path, reason = rules.backward_path(kernel, schedule, q, k, v, mask, window, dropout)
+    path, reason = rules.backward_path(kernel, schedule, q, k, v, mask, window)
     batch, hq, seq_q, e = q.shape
     seq_k, ev = k.shape[2], v.shape[3]
     requested = rules.requested_schedule(schedule, path, is_causal, False, max(e, ev), window)

@@ -25,10 +25,7 @@ NO_WINDOW = (-1, -1)
 
 
 def hopper_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        mask: torch.Tensor | None, window: tuple[int, int], op: str,
-                        dropout: bool = False) -> str | None:
-    if dropout and op == "forward":  # the portable kernels draw the same mask (ops/shared/dropout.py)
-        return "dropout_p > 0 (the Hopper forward has no dropout)"
+                        mask: torch.Tensor | None, window: tuple[int, int], op: str) -> str | None:
     if op == "forward" and tuple(window) != NO_WINDOW:
         return f"window_size={tuple(window)} (the Hopper forward takes no sliding window)"
     if q.device.type != "cuda":
@@ -41,13 +38,12 @@ def check_kernel(kernel: str) -> None:
         raise ValueError(f"dash.attention: kernel must be one of {list(KERNELS)}, got {kernel!r}")
 
 
-def forward_path(kernel: str, q, k, v, mask, window,
-                 dropout: bool = False) -> tuple[str, str | None]:
+def forward_path(kernel: str, q, k, v, mask, window) -> tuple[str, str | None]:
     """The forward's kernel path, and why ``auto`` did not take the Hopper one."""
     check_kernel(kernel)
     if kernel == PORTABLE:
         return PORTABLE, None
-    reason = hopper_unsupported(q, k, v, mask, window, "forward", dropout)
+    reason = hopper_unsupported(q, k, v, mask, window, "forward")
     if kernel == HOPPER and reason is not None:  # refused when the forward runs, not later
         raise ValueError(f"dash.attention: kernel='hopper' cannot run this attention: {reason}; "
                          f"use kernel='auto' or 'portable'")
@@ -79,15 +75,15 @@ def varlen_forward_path(kernel: str, q, k, v, window) -> tuple[str, str | None]:
     return PORTABLE, reason or PACKED_FORWARD_UNMEASURED
 
 
-def backward_path(kernel: str, schedule: str, q, k, v, mask, window,
-                  dropout: bool = False) -> tuple[str, str | None]:
+def backward_path(kernel: str, schedule: str, q, k, v, mask,
+                  window) -> tuple[str, str | None]:
     """The backward's kernel path for the requested schedule, and why ``auto`` did not take the
     Hopper one. ``auto`` takes it for the ordered schedules, which the portable kernels run with
     the dQ turn on their critical path (``hopper_config.FASTER_ON_HOPPER``)."""
     check_kernel(kernel)
     if kernel == PORTABLE:
         return PORTABLE, None
-    reason = hopper_unsupported(q, k, v, mask, window, "backward", dropout)
+    reason = hopper_unsupported(q, k, v, mask, window, "backward")
     if kernel == HOPPER and reason is not None:
         raise ValueError(f"dash.attention: kernel='hopper' cannot run this attention: {reason}; "
                          f"use kernel='auto' or 'portable'")

@@ -298,17 +298,20 @@ def test_compiled_sdpa_with_dropout_runs_dash_with_eagers_bits():
     assert torch.equal(compiled, eager)
 
 
-def test_the_forward_with_dropout_runs_on_the_portable_kernels_with_the_reason_in_the_plan():
-    """The Hopper forward has no dropout; the Hopper backward has, so what keeps a backward
-    with dropout off it is only what keeps one without (here, the CPU)."""
+def test_the_hopper_kernels_take_dropout_with_their_own_forward_tiles():
+    """Both Hopper kernels draw the mask (the GPU tests check it against this file's); the
+    forward's layout conversion of the mask takes shared memory that its plain tiles use."""
+    from dash_inductor.ops.hopper import config as hopper_config
+
     q = torch.randn(1, 1, 4, 64)
-    path, reason = rules.forward_path("auto", q, q, q, None, (-1, -1), dropout=True)
-    assert path == "portable" and "dropout" in reason
-    with pytest.raises(ValueError, match="kernel='hopper' cannot run.*dropout"):
-        rules.forward_path("hopper", q, q, q, None, (-1, -1), dropout=True)
-    with_dropout = rules.backward_path("auto", "auto", q, q, q, None, (-1, -1), dropout=True)
-    assert with_dropout == rules.backward_path("auto", "auto", q, q, q, None, (-1, -1))
-    assert "dropout" not in with_dropout[1]
+    assert rules.forward_path("portable", q, q, q, None, (-1, -1)) == ("portable", None)
+    for head_dim in hopper_config.HEAD_DIMS:
+        cfg = hopper_config.forward_config(head_dim, dropout=True)
+        assert cfg == hopper_config.DROPOUT_FORWARD[head_dim]
+        assert hopper_config.forward_constexprs(True, 1, cfg, dropout=True)["DROPOUT"]
+        assert not hopper_config.forward_constexprs(True, 1, cfg)["DROPOUT"]
+    assert hopper_config.forward_config(128, dropout=True).stages == 2
+    assert hopper_config.forward_config(64, dropout=True).softmax_groups == 2
 
 
 def _sm90_signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:

@@ -142,6 +142,18 @@ def test_forward_compiles_for_sm90(variants, dtype, head_dim, causal, variant):
     assert row["wgmma_serialized"] == 0 and row["spill_store_bytes"] == 0
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dropout_forward_compiles_for_sm90(variants, head_dim, causal):
+    """The forward with dropout draws the keep mask in the kernel on its dropout tiles
+    (``DROPOUT_FORWARD``), whose shared memory fits beside the mask's layout conversion."""
+    row = variants[("bf16", head_dim, "forward", causal, "dense-dropout")]
+    plain = variants[("bf16", head_dim, "forward", causal, "dense")]
+    assert row["wide_multiplies"] >= plain["wide_multiplies"] + 20
+    assert row["tma_loads"] >= 3 and row["tma_stores"] >= 1
+    assert row["shared"] <= 227 * 1024 and row["wgmma_serialized"] == 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_launcher_describes_the_boxes_the_offline_compile_builds(dtype):
     """The launcher's cached shared layouts are those the offline compile (and Gluon) derive."""

@@ -74,17 +74,19 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
 
 
 def compile_forward(dtype: str, head_dim: int, causal: bool, group: int = 1,
-                    cfg: HopperForwardConfig | None = None, varlen: bool = False):
+                    cfg: HopperForwardConfig | None = None, varlen: bool = False,
+                    dropout: bool = False):
     """The compiled forward kernel for one variant, for sm90."""
-    cfg = cfg or forward_config(head_dim, varlen)
-    constexprs = forward_constexprs(causal, group, cfg, varlen)
+    cfg = cfg or forward_config(head_dim, varlen, dropout)
+    constexprs = forward_constexprs(causal, group, cfg, varlen, dropout)
     q_block = _descriptor(dtype, [1, 1, cfg.warpgroup_rows, head_dim])
     kv_block = _descriptor(dtype, [1, 1, cfg.block_n, head_dim])
     signature = {"q_desc": q_block, "k_desc": kv_block, "v_desc": kv_block, "o_desc": q_block,
                  "O": f"*{dtype}", "LSE": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
     signature.update({name: "i32" for name in ("stride_oh", "stride_om", "L", "S", "HQ", "max_q",
                                                "max_k")})
-    signature.update({"qk_scale": "fp32"})
+    signature.update({"qk_scale": "fp32", "RNG": "*i64", "drop_threshold": "i32",
+                      "drop_scale": "fp32"})
     signature.update({name: "constexpr" for name in constexprs})
     # As Triton specialises a launch: pointers 16-byte aligned, and the strides of (T, H, D)
     # outputs, multiples of 16 elements at these head dims.
@@ -201,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
                 key = dict(dtype=args.dtype, head_dim=head_dim, schedule="forward",
                            causal=causal, variant=variant_name(False, varlen))
                 print(json.dumps({**key, **summary(compiled)}), flush=True)
+                if not varlen and args.dtype == "bf16":
+                    compiled = compile_forward(args.dtype, head_dim, causal, group=group,
+                                               dropout=True)
+                    print(json.dumps({**key, "variant": "dense-dropout", **summary(compiled)}),
+                          flush=True)
                 if head_dim == 64 and not varlen:  # the two-warpgroup tile, kept for A/B runs
                     compiled = compile_forward(args.dtype, head_dim, causal, group=group,
                                                cfg=HopperForwardConfig())

@@ -128,19 +128,26 @@ class HopperForwardConfig:
 THREE_WARPGROUPS = HopperForwardConfig(block_m=192, softmax_groups=3, softmax_regs=160)
 
 
-def forward_config(head_dim: int, varlen: bool = False) -> HopperForwardConfig:
+#: With dropout the mask's layout conversion takes 16 KiB of shared memory: two K/V stages at
+#: head dim 128 (three no longer fit), two warpgroups at 64 (three spilled 15 KB at 160 registers).
+DROPOUT_FORWARD = {64: HopperForwardConfig(), 128: HopperForwardConfig(stages=2)}
+
+
+def forward_config(head_dim: int, varlen: bool = False, dropout: bool = False) -> HopperForwardConfig:
     """The forward's tile: three warpgroups at head dim 64 (where a step's MMAs are short and the
     K/V loads weigh most), two at 128 (its O accumulator does not fit 160 registers) and for
-    packed sequences (whose tile-crossing stores take two)."""
+    packed sequences (whose tile-crossing stores take two); with dropout ``DROPOUT_FORWARD``."""
+    if dropout:
+        return DROPOUT_FORWARD[head_dim]
     return THREE_WARPGROUPS if head_dim == 64 and not varlen else HopperForwardConfig()
 
 
 def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig,
-                       varlen: bool = False) -> dict[str, object]:
+                       varlen: bool = False, dropout: bool = False) -> dict[str, object]:
     """The forward kernel's compile-time arguments for one launch (``varlen``: packed sequences)."""
     return dict(GROUP=group, CAUSAL=causal, VARLEN=varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 STAGES=cfg.stages, SOFTMAX_REGS=cfg.softmax_regs,
-                LOAD_REGS=cfg.load_regs, num_warps=cfg.num_warps)
+                LOAD_REGS=cfg.load_regs, DROPOUT=dropout, num_warps=cfg.num_warps)
 
 
 def ordered_programs(items_per_head: int, sms: int) -> int:

@@ -51,6 +51,18 @@ def calls_layout(block_n, block_m, num_warps):
     return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_n, calls])
 
 
+@gluon.constexpr_function
+def forward_calls_layout(block_m, block_n, num_warps):
+    """The layout of a (calls, keys) tile of the forward's S accumulator (warps of 16 queries
+    along dim 0): a call's rows are the accumulator's lane bits 2 and 3, which take key bits 3
+    and 4 instead, so each call lands on one lane of the four that hold it."""
+    key_regs = [[0, 1 << k] for k in range(5, block_n.bit_length() - 1)]
+    regs = [[0, 1], [2, 0]] + key_regs  # query bit 3 is call bit 1
+    lanes = [[0, 2], [0, 4], [0, 8], [0, 16], [1, 0]]  # query bit 2 is call bit 0
+    warps = [[4 << k, 0] for k in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_m // 4, block_n])
+
+
 @gluon.jit
 def philox(c0, c1, k0, k1):
     """Philox4x32-10 of the counter (c0, c1, 0, 0) under the key (k0, k1): four uint32 tensors."""
@@ -71,14 +83,14 @@ def philox(c0, c1, k0, k1):
 
 
 @gluon.jit
-def _draw(seed, offset, bh, row0, keys, L, S, layout: gl.constexpr):
-    """The four outputs of every (key, call) of rows [row0, row0 + 4 calls) and keys ``keys``,
-    in ``layout``."""
-    CALLS: gl.constexpr = layout.shape[1]
+def _draw(seed, offset, bh, row0, keys, L, S, KEYS_AXIS: gl.constexpr, layout: gl.constexpr):
+    """The four outputs of every (call, key) of rows [row0, row0 + 4 calls) and keys ``keys``,
+    in ``layout`` (keys along ``KEYS_AXIS``)."""
+    CALLS: gl.constexpr = layout.shape[1 - KEYS_AXIS]
     first = bh.to(gl.int64) * ((L + 3) // 4) + row0 // 4
-    calls = first + gl.arange(0, CALLS, layout=gl.SliceLayout(0, layout)).to(gl.int64)
-    keys = gl.convert_layout(keys, gl.SliceLayout(1, layout)).to(gl.int64)
-    counter = offset + gl.expand_dims(calls * S, 0) + gl.expand_dims(keys, 1)
+    calls = first + gl.arange(0, CALLS, layout=gl.SliceLayout(KEYS_AXIS, layout)).to(gl.int64)
+    keys = gl.convert_layout(keys, gl.SliceLayout(1 - KEYS_AXIS, layout)).to(gl.int64)
+    counter = offset + gl.expand_dims(calls * S, KEYS_AXIS) + gl.expand_dims(keys, 1 - KEYS_AXIS)
     seed = seed.to(gl.uint64, bitcast=True)
     return philox(counter.to(gl.uint32), (counter >> 32).to(gl.uint32),
                   seed.to(gl.uint32), (seed >> 32).to(gl.uint32))
@@ -97,8 +109,19 @@ def keep_t(seed, offset, threshold, bh, row0, cols, L, S, BLOCK_M: gl.constexpr,
     ``cols``, keys along dim 0, in ``s_layout`` (the backward's S^T)."""
     BLOCK_N: gl.constexpr = cols.shape[0]
     layout: gl.constexpr = calls_layout(BLOCK_N, BLOCK_M, gl.num_warps())
-    x0, x1, x2, x3 = _draw(seed, offset, bh, row0, cols, L, S, layout)
+    x0, x1, x2, x3 = _draw(seed, offset, bh, row0, cols, L, S, 0, layout)
     # The numbers, not the bits, cross lanes: converting bits packed and unpacked them.
     x = gl.convert_layout(gl.reshape(_interleave(x0, x1, x2, x3), [BLOCK_N, BLOCK_M]), s_layout)
     return x >= threshold.to(gl.uint32, bitcast=True)
 
+
+@gluon.jit
+def keep(seed, offset, threshold, bh, row0, cols, L, S, BLOCK_M: gl.constexpr,
+         s_layout: gl.constexpr):
+    """:func:`keep_t` with queries along dim 0, in ``s_layout`` (the forward's S)."""
+    BLOCK_N: gl.constexpr = cols.shape[0]
+    layout: gl.constexpr = forward_calls_layout(BLOCK_M, BLOCK_N, gl.num_warps())
+    x0, x1, x2, x3 = _draw(seed, offset, bh, row0, cols, L, S, 1, layout)
+    x = gl.reshape(_interleave(x0, x1, x2, x3), [BLOCK_M // 4, BLOCK_N, 4])
+    x = gl.reshape(gl.permute(x, (0, 2, 1)), [BLOCK_M, BLOCK_N])
+    return gl.convert_layout(x, s_layout) >= threshold.to(gl.uint32, bitcast=True)

@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma, warpgroup_mma_wait)
 
 from ..shared.tiles import LN2, crosses_edge, sequence_rows
+from . import dropout
 from .primitives import partition_barrier, row_runs, tma_load, tma_store, zero_outside
 from .walk import tma_batch
 
@@ -147,11 +148,14 @@ def _store_rows(values, O, row, n_rows, h, stride_oh, stride_om):
 
 @gluon.jit
 def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-                       VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+                       VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, DROPOUT: gl.constexpr,
+                       num_warps: gl.constexpr):
     """Rows [PART * PART_M, (PART + 1) * PART_M) of the program's Q tile; ``shared``: the
-    kernel's buffers, barriers and arguments, the same for every softmax warpgroup."""
+    kernel's buffers, barriers and arguments, the same for every softmax warpgroup. DROPOUT:
+    P V takes the kept probabilities (``dropout.py``), the row sums all of them."""
     (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, v_clear, o_desc, O, LSE, CU_Q,
-     CU_K, stride_oh, stride_om, L, S, HQ, max_q, max_k, qk_scale) = shared
+     CU_K, stride_oh, stride_om, L, S, HQ, max_q, max_k, qk_scale, RNG, drop_threshold,
+     drop_scale) = shared
     STAGES: gl.constexpr = k_bufs.shape[0]
     PART_M: gl.constexpr = q_bufs.shape[1]
     HEAD_D: gl.constexpr = q_bufs.shape[2]
@@ -177,14 +181,20 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
         mask_from = gl.minimum(mask_from, (row0 + diag) // BLOCK_N)
     s_zero = gl.zeros([PART_M, BLOCK_N], gl.float32, layout=s_layout)
 
+    seed, offset = dropout.load_state(RNG, DROPOUT)
+    bh = b * HQ + h
     mbarrier.wait(q_ready, 0)
     mbarrier.wait(k_ready.index(0), 0)
     s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if DROPOUT:  # drawn while the MMA runs
+        kept = dropout.keep(seed, offset, drop_threshold, bh, row0, offs_n, L, S, PART_M, s_layout)
     s = warpgroup_mma_wait(0, deps=(s, ))
     s = _masked(s, 0, mask_from, diagonal, offs_n, seq_s, BLOCK_N, CAUSAL)
     m_i = _row_max(gl.max(s, 1), KEYLESS)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_i * qk_scale, 1))
     l_i = gl.sum(p, 1)
+    if DROPOUT:
+        p = gl.where(kept, p, 0.0)
     p = p.to(dtype)  # carried into the next step as the MMA operand: half the registers of fp32
     acc = gl.zeros([PART_M, HEAD_D], gl.float32, layout=o_layout)
     for j in range(1, n_tiles):
@@ -196,12 +206,17 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
         s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
         acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+        if DROPOUT:
+            kept = dropout.keep(seed, offset, drop_threshold, bh, row0, j * BLOCK_N + offs_n, L,
+                                S, PART_M, s_layout)
         s = warpgroup_mma_wait(1, deps=(s, ))
         s = _masked(s, j, mask_from, diagonal, offs_n, seq_s, BLOCK_N, CAUSAL)
         m_new = _row_max(gl.maximum(m_i, gl.max(s, 1)), KEYLESS)
         alpha = gl.exp2((m_i - m_new) * qk_scale)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new * qk_scale, 1))
         l_i = l_i * alpha + gl.sum(p, 1)
+        if DROPOUT:
+            p = gl.where(kept, p, 0.0)
         p = p.to(dtype)
         m_i = m_new
         acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -227,6 +242,8 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
     if KEYLESS:  # a row that saw no key: l_i = 0, acc = 0, so out 0 (and lse -inf: m_i is 0)
         total = gl.where(l_i == 0.0, 1.0, l_i)
     out = acc / gl.expand_dims(gl.convert_layout(total, gl.SliceLayout(1, o_layout)), 1)
+    if DROPOUT:  # as the portable forward: the kept sum over all, then 1 / (1 - p)
+        out = out * drop_scale
     q_smem.store(out.to(dtype))  # this part of Q is no longer read: it stages O for the store
     fence_async_shared()
     partition_barrier()
@@ -260,9 +277,10 @@ def _store_keyless(O, LSE, q0, seq_l, row0, b, h, stride_oh, stride_om, HQ, L,
 
 @gluon.jit
 def forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, stride_oh, stride_om, L,
-                   S, HQ, max_q, max_k, qk_scale, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-                   VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, SOFTMAX_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+                   S, HQ, max_q, max_k, qk_scale, RNG, drop_threshold, drop_scale,
+                   GROUP: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   SOFTMAX_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, DROPOUT: gl.constexpr,
                    num_warps: gl.constexpr):
     """O and the natural-log logsumexp of one Q tile of one (batch, head); see the module doc.
 
@@ -307,19 +325,20 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, stride_oh
         mbarrier.init(kv_empty.index(i), count=PARTS)  # one arrival per softmax warpgroup
 
     shared = (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, v_clear, o_desc, O, LSE,
-              CU_Q, CU_K, stride_oh, stride_om, L, S, HQ, max_q, max_k, qk_scale)
+              CU_Q, CU_K, stride_oh, stride_om, L, S, HQ, max_q, max_k, qk_scale, RNG,
+              drop_threshold, drop_scale)
     loads = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty,
              CU_Q, CU_K, L, S, HQ, max_q, max_k)
     if PARTS == 2:
         gl.warp_specialize([
-            (_softmax_partition, (shared, 0, GROUP, CAUSAL, VARLEN, BLOCK_M, num_warps)),
-            (_softmax_partition, (shared, 1, GROUP, CAUSAL, VARLEN, BLOCK_M, num_warps)),
+            (_softmax_partition, (shared, 0, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT, num_warps)),
+            (_softmax_partition, (shared, 1, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT, num_warps)),
             (_load_partition, (loads, GROUP, CAUSAL, VARLEN, BLOCK_M)),
         ], [num_warps, 1], [SOFTMAX_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_softmax_partition, (shared, 0, GROUP, CAUSAL, VARLEN, BLOCK_M, num_warps)),
-            (_softmax_partition, (shared, 1, GROUP, CAUSAL, VARLEN, BLOCK_M, num_warps)),
-            (_softmax_partition, (shared, 2, GROUP, CAUSAL, VARLEN, BLOCK_M, num_warps)),
+            (_softmax_partition, (shared, 0, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT, num_warps)),
+            (_softmax_partition, (shared, 1, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT, num_warps)),
+            (_softmax_partition, (shared, 2, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT, num_warps)),
             (_load_partition, (loads, GROUP, CAUSAL, VARLEN, BLOCK_M)),
         ], [num_warps, num_warps, 1], [SOFTMAX_REGS, SOFTMAX_REGS, LOAD_REGS])

@@ -121,7 +121,8 @@ def _readable(tensors: tuple[torch.Tensor, ...], copies: tuple[bool, ...]) -> tu
 
 
 def _forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, packed: tuple | None, scale: float) -> None:
+             lse: torch.Tensor, packed: tuple | None, scale: float,
+             dropout: Dropout | None = None) -> None:
     """One launch of the forward over (B, H, N, D) views; ``packed`` = (cu_seq_q, cu_seq_k,
     max_q, max_k) for the VARLEN kernel, whose views are the packed tensors' ``heads_first``."""
     spec, cfg = plan.spec, plan.config
@@ -134,21 +135,22 @@ def _forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
         _descriptor(q, cfg.warpgroup_rows), _descriptor(k, cfg.block_n),
         _descriptor(v, cfg.block_n), _descriptor(out, cfg.warpgroup_rows), out, lse, cu_q, cu_k,
         out.stride(1), out.stride(2), q.shape[2], k.shape[2], q.shape[1], max_q, max_k,
-        scale * LOG2E), spec["constexprs"])
+        scale * LOG2E, *kernel_args(dropout, lse)), spec["constexprs"])
     if out is not target:
         target.copy_(out)
 
 
 def run_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: None, out: torch.Tensor, lse: torch.Tensor, scale: float,
-                dropout: None = None) -> None:
-    """Write ``out`` and the contiguous fp32 (B, Hq, L) ``lse`` with the Hopper forward; the
-    portable launcher's arguments, whose ``mask`` is None here (``support.unsupported_reason``)."""
+                dropout: Dropout | None = None) -> None:
+    """Write ``out`` and the contiguous fp32 (B, Hq, L) ``lse`` with the Hopper forward (with
+    ``dropout``); the portable launcher's arguments, whose ``mask`` is None here
+    (``support.unsupported_reason``)."""
     if not plan.grid:  # no program would have a key to wait for
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    _forward(plan, q, k, v, out, lse, None, scale)
+    _forward(plan, q, k, v, out, lse, None, scale, dropout)
 
 
 def run_varlen_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

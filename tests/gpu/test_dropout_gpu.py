@@ -1,6 +1,6 @@
-"""GPU tests of attention dropout in the Hopper backward (the forward with dropout runs the
-portable kernels): the mask it draws is ``shared/dropout.py``'s bit for bit, its gradients meet
-FlashAttention's accuracy rule against a reference that applies that mask, and its bits repeat.
+"""GPU tests of attention dropout in the Hopper kernels: the mask each draws is
+``shared/dropout.py``'s bit for bit, the outputs and gradients meet FlashAttention's accuracy rule
+against a reference that applies that mask, and their bits repeat.
 
 Only a GPU runs the Gluon kernels; the CPU tests (tests/test_dropout.py) check the mask's formula
 on the portable kernels in the interpreter.
@@ -38,16 +38,17 @@ def _inputs(batch, hq, hkv, seq, dim, seed=0):
 
 
 def _ours(q, k, v, do, causal, schedule, kernel="hopper"):
-    """The portable forward with dropout, then the backward on ``kernel``."""
+    """Forward and backward with dropout on ``kernel``."""
     scale = q.shape[-1] ** -0.5
     out = torch.empty_like(do)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
-    attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale, kernel="portable",
-                      dropout=_dropout())
+    plans = [attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale,
+                               kernel=kernel, dropout=_dropout())]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    plan = attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
-                              scale=scale, schedule=schedule, kernel=kernel, dropout=_dropout())
-    assert plan.kernel == kernel
+    plans.append(attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
+                                    scale=scale, schedule=schedule, kernel=kernel,
+                                    dropout=_dropout()))
+    assert [plan.kernel for plan in plans] == [kernel, kernel]
     return out, dq, dk, dv
 
 
@@ -73,7 +74,7 @@ SHAPES = [(2, 8, 8, 1024, 64), (1, 16, 16, 2048, 128), (2, 8, 2, 1000, 128)]
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_the_hopper_backward_with_dropout_follows_the_flash_rule(shape, causal):
+def test_the_hopper_kernels_with_dropout_follow_the_flash_rule(shape, causal):
     q, k, v, do = _inputs(*shape)
     ref = _reference(q, k, v, do, causal, torch.float32)
     same = _reference(q, k, v, do, causal, torch.bfloat16)
@@ -82,23 +83,24 @@ def test_the_hopper_backward_with_dropout_follows_the_flash_rule(shape, causal):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_hopper_backward_drops_the_portable_mask(head_dim):
-    """q = 0 makes P uniform (1 / S), and an identity grad_out makes dV = (keep / (S (1 - p)))^T:
-    an element of dV is zero exactly where the mask dropped it."""
-    batch, heads, seq_k = 2, 4, 384
-    q = torch.zeros(batch, heads, head_dim, head_dim, device="cuda", dtype=torch.bfloat16)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    k, v = (torch.randn(batch, heads, seq_k, head_dim, device="cuda", dtype=torch.bfloat16,
-                        generator=gen) for _ in range(2))
-    do = torch.eye(head_dim, device="cuda", dtype=torch.bfloat16).expand_as(q).contiguous()
-    keep = keep_mask(_dropout().rng, P, (batch, heads, head_dim, seq_k))
+def test_the_hopper_kernels_drop_the_portable_mask(head_dim):
+    """q = 0 makes P uniform (1 / S). With S = D keys and v the identity, out = keep / (S (1 -
+    p)); with an identity grad_out (L = D queries), dV = (keep / (S (1 - p)))^T: an element is
+    zero exactly where the mask dropped it, in the forward and in the backward."""
+    batch, heads, n = 2, 4, head_dim
+    q = torch.zeros(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16,
+                    generator=torch.Generator(device="cuda").manual_seed(1))
+    eye = torch.eye(head_dim, device="cuda", dtype=torch.bfloat16).expand_as(q).contiguous()
+    keep = keep_mask(_dropout().rng, P, (batch, heads, n, n))
     for kernel in ("portable", "hopper"):
-        _, _, _, dv = _ours(q, k, v, do, False, "descending", kernel)
+        out, _, _, dv = _ours(q, k, eye, eye, False, "descending", kernel)
+        assert torch.equal(out != 0, keep), kernel
         assert torch.equal(dv != 0, keep.transpose(-1, -2)), kernel
 
 
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
-def test_the_hopper_backward_with_dropout_repeats_its_bits(schedule):
+def test_the_hopper_kernels_with_dropout_repeat_their_bits(schedule):
     q, k, v, do = _inputs(2, 8, 2, 1536, 128, seed=3)
     first = _ours(q, k, v, do, True, schedule)
     for _ in range(20):
