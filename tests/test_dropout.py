@@ -298,20 +298,17 @@ def test_compiled_sdpa_with_dropout_runs_dash_with_eagers_bits():
     assert torch.equal(compiled, eager)
 
 
-def test_the_hopper_kernels_take_dropout_with_their_own_forward_tiles():
+def test_the_hopper_forward_takes_dropout_on_two_warpgroups():
     """Both Hopper kernels draw the mask (the GPU tests check it against this file's); the
-    forward's layout conversion of the mask takes shared memory that its plain tiles use."""
+    forward's mask needs the registers of two softmax warpgroups, at head dim 64 too."""
     from dash_inductor.ops.hopper import config as hopper_config
 
-    q = torch.randn(1, 1, 4, 64)
-    assert rules.forward_path("portable", q, q, q, None, (-1, -1)) == ("portable", None)
     for head_dim in hopper_config.HEAD_DIMS:
         cfg = hopper_config.forward_config(head_dim, dropout=True)
-        assert cfg == hopper_config.DROPOUT_FORWARD[head_dim]
+        assert cfg == hopper_config.HopperForwardConfig()
         assert hopper_config.forward_constexprs(True, 1, cfg, dropout=True)["DROPOUT"]
         assert not hopper_config.forward_constexprs(True, 1, cfg)["DROPOUT"]
-    assert hopper_config.forward_config(128, dropout=True).stages == 2
-    assert hopper_config.forward_config(64, dropout=True).softmax_groups == 2
+    assert hopper_config.forward_config(64) == hopper_config.THREE_WARPGROUPS
 
 
 def _sm90_signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:

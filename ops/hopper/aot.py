@@ -112,6 +112,7 @@ _PTX_FEATURES = {
     "shared_v2_stores": r"st\.shared\.v2\.[bf]32",
     # Philox rounds: each a 32 x 32 -> 64-bit product (dropout's keep mask)
     "wide_multiplies": r"mul\.wide\.u32",
+    "shuffles": r"shfl\.sync",
 }
 
 

@@ -128,18 +128,13 @@ class HopperForwardConfig:
 THREE_WARPGROUPS = HopperForwardConfig(block_m=192, softmax_groups=3, softmax_regs=160)
 
 
-#: With dropout the mask's layout conversion takes 16 KiB of shared memory: two K/V stages at
-#: head dim 128 (three no longer fit), two warpgroups at 64 (three spilled 15 KB at 160 registers).
-DROPOUT_FORWARD = {64: HopperForwardConfig(), 128: HopperForwardConfig(stages=2)}
-
-
 def forward_config(head_dim: int, varlen: bool = False, dropout: bool = False) -> HopperForwardConfig:
     """The forward's tile: three warpgroups at head dim 64 (where a step's MMAs are short and the
-    K/V loads weigh most), two at 128 (its O accumulator does not fit 160 registers) and for
-    packed sequences (whose tile-crossing stores take two); with dropout ``DROPOUT_FORWARD``."""
-    if dropout:
-        return DROPOUT_FORWARD[head_dim]
-    return THREE_WARPGROUPS if head_dim == 64 and not varlen else HopperForwardConfig()
+    K/V loads weigh most), two at 128 (its O accumulator does not fit 160 registers), for packed
+    sequences (whose tile-crossing stores take two) and with dropout (the mask spilled 12 KB on
+    three warpgroups of 160 registers)."""
+    three = head_dim == 64 and not (varlen or dropout)
+    return THREE_WARPGROUPS if three else HopperForwardConfig()
 
 
 def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig,

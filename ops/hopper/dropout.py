@@ -1,14 +1,15 @@
-"""Attention dropout's keep mask in Gluon, on the Hopper backward's S^T accumulator tiles.
+"""Attention dropout's keep mask in Gluon, on the Hopper kernels' wgmma accumulator tiles.
 
 ``shared/dropout.py``'s mask bit for bit: Philox4x32-10 (Salmon, Moraes, Dror and Shaw, SC 2011;
 what ``tl.randint4x`` computes for an int64 counter), one call per (b, h, row // 4, col) at
 counter ``offset + ((b * H + h) * ceil(L / 4) + row // 4) * S + col``, output ``row % 4``, kept
 when at least the uint32 threshold.
 
-A call's four rows lie on two lanes of the S^T accumulator (queries along dim 1). Each call is
-drawn once, by the lane ``calls_layout`` gives it, and the numbers reach their lanes
-through one in-warp layout conversion. (The forward's S holds a call's rows on four lanes; drawn
-there the same way, the conversion went through shared memory past the forward's budget.)
+A call's four rows lie on two lanes of the backward's S^T accumulator (queries along dim 1) and
+on four lanes of the forward's S (queries along dim 0). Each call is drawn once, by the lane a
+calls layout gives it, and the numbers reach their lanes by warp shuffles: one register-lane swap
+in the backward, two in the forward, one at a time (both at once went through 16 KiB of shared
+memory, which three K/V stages at head dim 128 leave no room for).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def load_state(RNG, DROPOUT: gl.constexpr):
 
 
 @gluon.constexpr_function
-def calls_layout(block_n, block_m, num_warps):
+def backward_calls_layout(block_n, block_m, num_warps):
     """The layout of a (keys, calls) tile of the backward's S^T accumulator
     (``NVMMADistributedLayout`` v3, warps of 16 keys along dim 0): keys as the accumulator holds
     them; a call's rows are the accumulator's lowest query bits, so the lane bit among them
@@ -61,6 +62,17 @@ def forward_calls_layout(block_m, block_n, num_warps):
     lanes = [[0, 2], [0, 4], [0, 8], [0, 16], [1, 0]]  # query bit 2 is call bit 0
     warps = [[4 << k, 0] for k in range(num_warps.bit_length() - 1)]
     return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_m // 4, block_n])
+
+
+@gluon.constexpr_function
+def forward_half_layout(block_m, block_n, num_warps):
+    """The forward mask's layout halfway to S's: query bit 0 on its lane, bit 1 still a
+    register (one register-lane swap at a time stays a warp shuffle)."""
+    key_regs = [[0, 1 << k] for k in range(5, block_n.bit_length() - 1)]
+    regs = [[0, 1], [8, 0]] + key_regs + [[0, 8], [2, 0]]
+    lanes = [[0, 2], [0, 4], [1, 0], [0, 16], [4, 0]]
+    warps = [[16 << k, 0] for k in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_m, block_n])
 
 
 @gluon.jit
@@ -108,7 +120,7 @@ def keep_t(seed, offset, threshold, bh, row0, cols, L, S, BLOCK_M: gl.constexpr,
     """The keep mask of rows [row0, row0 + BLOCK_M) (row0 a multiple of 4) against keys
     ``cols``, keys along dim 0, in ``s_layout`` (the backward's S^T)."""
     BLOCK_N: gl.constexpr = cols.shape[0]
-    layout: gl.constexpr = calls_layout(BLOCK_N, BLOCK_M, gl.num_warps())
+    layout: gl.constexpr = backward_calls_layout(BLOCK_N, BLOCK_M, gl.num_warps())
     x0, x1, x2, x3 = _draw(seed, offset, bh, row0, cols, L, S, 0, layout)
     # The numbers, not the bits, cross lanes: converting bits packed and unpacked them.
     x = gl.convert_layout(gl.reshape(_interleave(x0, x1, x2, x3), [BLOCK_N, BLOCK_M]), s_layout)
@@ -124,4 +136,5 @@ def keep(seed, offset, threshold, bh, row0, cols, L, S, BLOCK_M: gl.constexpr,
     x0, x1, x2, x3 = _draw(seed, offset, bh, row0, cols, L, S, 1, layout)
     x = gl.reshape(_interleave(x0, x1, x2, x3), [BLOCK_M // 4, BLOCK_N, 4])
     x = gl.reshape(gl.permute(x, (0, 2, 1)), [BLOCK_M, BLOCK_N])
+    x = gl.convert_layout(x, forward_half_layout(BLOCK_M, BLOCK_N, gl.num_warps()))
     return gl.convert_layout(x, s_layout) >= threshold.to(gl.uint32, bitcast=True)
