@@ -8,6 +8,8 @@ At B·N = 16k, H·D = 2048, bf16, causal and full, each method through its publi
 
 - ``dash p=0``: ``dash_inductor.attention`` without dropout (``auto``), determinism on;
 - ``dash p``: the same with ``dropout_p=p`` (its Philox mask, drawn again in the backward);
+- ``dash p portable`` and ``dash p hopper``: each kernel family named (``kernel=``), the
+  measurement behind what ``auto`` takes with dropout (CUDA only);
 - ``SDPA det. on p``: ``F.scaled_dot_product_attention(dropout_p=p)`` under deterministic
   algorithms (what PyTorch runs for a deterministic model with dropout);
 - ``SDPA det. off p``: the same with determinism off.
@@ -24,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +45,8 @@ Attention = Callable[..., torch.Tensor]
 METHODS: dict[str, tuple[bool, Attention, bool]] = {
     "dash p=0": (True, dash_inductor.attention, False),
     "dash p": (True, dash_inductor.attention, True),
+    "dash p portable": (True, partial(dash_inductor.attention, kernel="portable"), True),
+    "dash p hopper": (True, partial(dash_inductor.attention, kernel="hopper"), True),
     "SDPA det. on p": (True, F.scaled_dot_product_attention, True),
     "SDPA det. off p": (False, F.scaled_dot_product_attention, True),
 }
@@ -93,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for problem in _problems(args, device):
         inputs = m.make_inputs(problem, device)
-        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in METHODS}
+        names = [n for n in METHODS if device == "cuda" or not n.endswith(" hopper")]
+        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
         ran = None
         for _ in range(args.rounds):
-            for name, (det, fn, dropout) in METHODS.items():
+            for name in names:
+                det, fn, dropout = METHODS[name]
                 samples[name].append(_time(problem, fn, args.p if dropout else 0.0, det, device,
                                            inputs))
                 if name == "dash p":
@@ -114,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
               f"p={args.p} {row['dash p']['backward_ms']:.3f} ({ran}): "
               f"x{row['dash backward p / p=0']:.2f}; SDPA det. on p "
               f"{row['SDPA det. on p']['backward_ms']:.3f}: "
-              f"x{row['SDPA det. on / dash backward, p']:.2f}", flush=True)
+              f"x{row['SDPA det. on / dash backward, p']:.2f}; fwd/bwd p by kernel: "
+              + ", ".join(f"{n[7:]} {row[n]['forward_ms']:.3f}/{row[n]['backward_ms']:.3f}"
+                          for n in names if n.startswith("dash p ")), flush=True)
     env = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "torch": torch.__version__, "p": args.p, "rounds": args.rounds}
     out = args.out or outdir.default_dir(env["device"])

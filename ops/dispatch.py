@@ -134,7 +134,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _plan_forward(q, k, v, mask, out, is_causal, window, kernel, dropout, config) -> Plan:
-    path, reason = rules.forward_path(kernel, q, k, v, mask, window)
+    path, reason = rules.forward_path(kernel, q, k, v, mask, window, dropout)
     batch, hq, seq_q, e = q.shape
     if path == HOPPER:
         launcher = _hopper()[0]
@@ -176,7 +176,8 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 def _plan_backward(grad_out, q, k, v, lse, mask, dk, dv, is_causal, window, schedule, max_spin,
                    kernel, dropout, config) -> Plan:
-    path, reason = rules.backward_path(kernel, schedule, q, k, v, mask, window)
+    path, reason = rules.backward_path(kernel, schedule, q, k, v, mask, window, dropout,
+                                        is_causal)
     batch, hq, seq_q, e = q.shape
     seq_k, ev = k.shape[2], v.shape[3]
     requested = rules.requested_schedule(schedule, path, is_causal, False, max(e, ev), window)

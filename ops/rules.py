@@ -38,7 +38,8 @@ def check_kernel(kernel: str) -> None:
         raise ValueError(f"dash.attention: kernel must be one of {list(KERNELS)}, got {kernel!r}")
 
 
-def forward_path(kernel: str, q, k, v, mask, window) -> tuple[str, str | None]:
+def forward_path(kernel: str, q, k, v, mask, window,
+                 dropout: bool = False) -> tuple[str, str | None]:
     """The forward's kernel path, and why ``auto`` did not take the Hopper one."""
     check_kernel(kernel)
     if kernel == PORTABLE:
@@ -49,6 +50,8 @@ def forward_path(kernel: str, q, k, v, mask, window) -> tuple[str, str | None]:
                          f"use kernel='auto' or 'portable'")
     if reason is not None or kernel == HOPPER:
         return (PORTABLE if reason else HOPPER), reason
+    if dropout:
+        return PORTABLE, hopper_config.dropout_slower("forward", q.shape[-1], False)
     shortest = hopper_config.FORWARD_MIN_SEQ[q.shape[-1]]
     if q.shape[2] >= shortest:
         return HOPPER, None
@@ -75,11 +78,12 @@ def varlen_forward_path(kernel: str, q, k, v, window) -> tuple[str, str | None]:
     return PORTABLE, reason or PACKED_FORWARD_UNMEASURED
 
 
-def backward_path(kernel: str, schedule: str, q, k, v, mask,
-                  window) -> tuple[str, str | None]:
+def backward_path(kernel: str, schedule: str, q, k, v, mask, window, dropout: bool = False,
+                  causal: bool = False) -> tuple[str, str | None]:
     """The backward's kernel path for the requested schedule, and why ``auto`` did not take the
     Hopper one. ``auto`` takes it for the ordered schedules, which the portable kernels run with
-    the dQ turn on their critical path (``hopper_config.FASTER_ON_HOPPER``)."""
+    the dQ turn on their critical path (``hopper_config.FASTER_ON_HOPPER``), and with dropout
+    where it measured faster (``hopper_config.dropout_slower``)."""
     check_kernel(kernel)
     if kernel == PORTABLE:
         return PORTABLE, None
@@ -87,6 +91,8 @@ def backward_path(kernel: str, schedule: str, q, k, v, mask,
     if kernel == HOPPER and reason is not None:
         raise ValueError(f"dash.attention: kernel='hopper' cannot run this attention: {reason}; "
                          f"use kernel='auto' or 'portable'")
+    if reason is None and kernel != HOPPER and dropout:
+        reason = hopper_config.dropout_slower("backward", q.shape[-1], causal)
     if reason is not None:
         return PORTABLE, reason
     if kernel == HOPPER or schedule == AUTO or schedule in hopper_config.FASTER_ON_HOPPER:

@@ -284,3 +284,24 @@ def test_an_empty_launch_hook_chain_costs_a_bound_launch_nothing():
     chain.add(print)
     assert _active(chain) is chain
     assert _active(print) is print  # a Triton whose hook is a plain callable
+
+
+@pytest.mark.parametrize("dim", (64, 128))
+@pytest.mark.parametrize("causal", (False, True))
+def test_auto_with_dropout_takes_the_paths_that_measured_faster(hopper_takes_it, dim, causal):
+    """With dropout ``auto`` runs the portable forward, and the Hopper backward except at head
+    dim 64 causal; a named kernel runs as named."""
+    q, k, v = _qkv(seq=8192, dim=dim)
+    path, reason = rules.forward_path("auto", q, k, v, None, (-1, -1), dropout=True)
+    assert path == dispatch.PORTABLE and "dropout" in reason
+    assert rules.forward_path("hopper", q, k, v, None, (-1, -1), dropout=True) == (
+        dispatch.HOPPER, None)
+    path, reason = rules.backward_path("auto", "auto", q, k, v, None, (-1, -1), dropout=True,
+                                       causal=causal)
+    slower = dim == 64 and causal
+    assert path == (dispatch.PORTABLE if slower else dispatch.HOPPER)
+    assert (reason is not None and "dropout" in reason) == slower
+    assert rules.backward_path("hopper", "auto", q, k, v, None, (-1, -1), dropout=True,
+                               causal=causal) == (dispatch.HOPPER, None)
+    path, _ = rules.backward_path("auto", "auto", q, k, v, None, (-1, -1), causal=causal)
+    assert path == dispatch.HOPPER
