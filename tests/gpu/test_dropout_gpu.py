@@ -37,19 +37,25 @@ def _inputs(batch, hq, hkv, seq, dim, seed=0):
                  for s in shapes)
 
 
-def _ours(q, k, v, do, causal, schedule, kernel="hopper"):
-    """Forward and backward with dropout on ``kernel``."""
+def _run(q, k, v, do, causal, schedule, forward_kernel, backward_kernel):
+    """(out, dq, dk, dv) and the two plans of a forward and backward with dropout."""
     scale = q.shape[-1] ** -0.5
     out = torch.empty_like(do)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
     plans = [attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale,
-                               kernel=kernel, dropout=_dropout())]
+                               kernel=forward_kernel, dropout=_dropout())]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     plans.append(attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
-                                    scale=scale, schedule=schedule, kernel=kernel,
+                                    scale=scale, schedule=schedule, kernel=backward_kernel,
                                     dropout=_dropout()))
-    assert [plan.kernel for plan in plans] == [kernel, kernel]
-    return out, dq, dk, dv
+    return (out, dq, dk, dv), [plan.kernel for plan in plans]
+
+
+def _ours(q, k, v, do, causal, schedule, kernel="hopper"):
+    """Forward and backward with dropout on ``kernel``."""
+    grads, kernels = _run(q, k, v, do, causal, schedule, kernel, kernel)
+    assert kernels == [kernel, kernel]
+    return grads
 
 
 def _reference(q, k, v, do, causal, dtype):
@@ -106,3 +112,15 @@ def test_the_hopper_kernels_with_dropout_repeat_their_bits(schedule):
     for _ in range(20):
         again = _ours(q, k, v, do, True, schedule)
         assert all(torch.equal(a, b) for a, b in zip(first, again)), schedule
+
+
+@pytest.mark.parametrize("head_dim, causal", [(128, False), (128, True), (64, False), (64, True)])
+def test_auto_with_dropout_runs_the_measured_paths(head_dim, causal):
+    """``auto`` with dropout: the portable forward, then the Hopper backward (the portable one at
+    head dim 64 causal), with the bits of those kernels named."""
+    q, k, v, do = _inputs(1, 8, 8, 2048, head_dim, seed=5)
+    backward = "portable" if head_dim == 64 and causal else "hopper"
+    auto, kernels = _run(q, k, v, do, causal, "auto", "auto", "auto")
+    assert kernels == ["portable", backward]
+    named, _ = _run(q, k, v, do, causal, "auto", "portable", backward)
+    assert all(torch.equal(a, b) for a, b in zip(auto, named))
