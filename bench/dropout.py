@@ -52,6 +52,11 @@ METHODS: dict[str, tuple[bool, Attention, bool]] = {
 }
 
 
+def methods_for(device: str) -> list[str]:
+    """The methods timed on ``device``: the Hopper kernels only on CUDA."""
+    return [name for name in METHODS if device == "cuda" or not name.endswith(" hopper")]
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--p", type=float, default=0.1, help="dropout probability")
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for problem in _problems(args, device):
         inputs = m.make_inputs(problem, device)
-        names = [n for n in METHODS if device == "cuda" or not n.endswith(" hopper")]
+        names = methods_for(device)
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
         ran = None
         for _ in range(args.rounds):
