@@ -28,7 +28,7 @@ FORWARD_MIN_SEQ = {64: 4096, 128: 2048}
 def dropout_slower(op: str, head_dim: int, causal: bool) -> str | None:
     """Why ``auto`` keeps a call with dropout off the Hopper kernel ``op``, or None. The mask's
     registers spill in the step loop, most where causal; measured against the portable kernels,
-    the Hopper forward never won and the backward lost at head dim 64, causal."""
+    the Hopper forward won nowhere beyond noise and the backward lost at head dim 64, causal."""
     if op == "forward":
         return "dropout_p > 0 (the Hopper forward with dropout measured no faster than the portable one)"
     if head_dim == 64 and causal:
