@@ -25,7 +25,7 @@ from . import rules
 from .catalog import AUTO, Schedule
 from .hopper import config as hopper_config
 from .hopper import support
-from .plan import Plan
+from .plan import HOLDERS, Plan
 from .portable import backward, forward, packed
 from .portable.configs import backward_config, forward_config
 from .shared.device import arch_key
@@ -57,9 +57,12 @@ def cache_info() -> CacheInfo:
 
 
 def cache_clear() -> None:
-    """Forget every plan and the statistics (the next call of each signature plans anew)."""
+    """Forget every plan, those kept by the library's signatures too, and the statistics (the
+    next call of each signature plans anew)."""
     _PLANS.clear()
     _STATS[:] = [0, 0]
+    for clear in HOLDERS:
+        clear()
 
 
 def _cached(key: tuple, build: Callable[[], Plan]) -> Plan:

@@ -35,3 +35,8 @@ class Plan:
         return (f"Plan(op={self.op!r}, kernel={self.kernel!r}, kernel_reason={self.kernel_reason!r}, "
                 f"schedule_requested={self.schedule_requested!r}, schedule={schedule!r}, "
                 f"fallback={self.fallback!r}, grid={self.grid!r}, config={self.config!r})")
+
+
+#: Caches of plans kept outside the dispatcher (the library's per-signature plans), which
+#: ``dispatch.cache_clear`` clears with its own.
+HOLDERS: list[Callable[[], None]] = []

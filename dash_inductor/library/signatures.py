@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dash_inductor.ops.plan import Plan
+from dash_inductor.ops.plan import HOLDERS, Plan
 from dash_inductor.library.shapes import Canonical, empty_like_layout
 
 _MAXSIZE = 1024  #: as the dispatcher's cache: a model has a handful of shapes per layer
@@ -114,5 +114,8 @@ def remember(signature_key: tuple, c: Canonical, q: Tensor, k: Tensor, v: Tensor
 
 
 def clear() -> None:
-    """Forget every signature (``dash_inductor.ops.cache_clear`` clears the plans they hold)."""
+    """Forget every signature and the plans it holds (``dash_inductor.ops.cache_clear`` too)."""
     _SIGNATURES.clear()
+
+
+HOLDERS.append(clear)

@@ -18,7 +18,14 @@ from collections.abc import Callable
 import torch
 from triton import knobs
 
+from . import driver
+
 MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
+#: Who launches a bound kernel: "driver" (``driver.py``, where the kernel allows) or "triton"
+#: (Triton's launcher always: for comparisons), read once from ``DASH_INDUCTOR_LAUNCHER``.
+LAUNCHER = os.environ.get("DASH_INDUCTOR_LAUNCHER", "driver")
+if LAUNCHER not in ("driver", "triton"):
+    raise ValueError(f"DASH_INDUCTOR_LAUNCHER={LAUNCHER!r}: expected 'driver' or 'triton'")
 
 
 def heads_first(t: torch.Tensor) -> torch.Tensor:
@@ -132,6 +139,10 @@ class Launches:
     def __init__(self) -> None:
         self._bound: dict[str, Callable[[tuple, tuple], None]] = {}
 
+    def via_driver(self) -> dict[str, bool]:
+        """Which slots bound so far launch through ``driver.py`` rather than Triton's launcher."""
+        return {slot: bound.direct for slot, bound in self._bound.items()}
+
     def __call__(self, slot: str, kernel, grid: tuple[int, ...], args: tuple,
                  constexprs: dict) -> None:
         bound = self._bound.get(slot)
@@ -163,16 +174,21 @@ def _bind(kernel, args: tuple, constexprs: dict) -> Callable[[tuple, tuple], Non
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     device, raw_stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
     hooks = knobs.runtime  # profilers set launch hooks: read at each launch, as Triton does
+    direct = driver.bind(compiled, len(args)) if LAUNCHER == "driver" else None
 
     def launch(grid: tuple[int, ...], args: tuple) -> None:
-        stream = raw_stream(device())
         enter, leave = _active(hooks.launch_enter_hook), _active(hooks.launch_exit_hook)
+        if direct is not None and enter is None and leave is None:
+            direct(grid, args)
+            return
+        stream = raw_stream(device())
         info = None
         if enter is not None or leave is not None:
             info = compiled.launch_metadata(grid, stream, *args, *tail)
         run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
             function, metadata, info, enter, leave, *args, *tail)
 
+    launch.direct = direct is not None
     return launch
 
 
