@@ -210,11 +210,14 @@ def host(*paths: str) -> str:
     runs = [_load(p) for p in paths]
     names = [_folder(p)[1] for p in paths]
     methods = [("sdpa_off", "eager SDPA, det. off"), ("sdpa_on", "eager SDPA, det. on"),
-               ("dash", "eager dash"), ("compiled_sdpa_off", "compiled SDPA, det. off"),
+               ("floor", "an autograd.Function that only allocates"), ("dash", "eager dash"),
+               ("dash_triton_launcher", "eager dash, Triton's launcher"),
+               ("compiled_sdpa_off", "compiled SDPA, det. off"),
                ("compiled_sdpa_on", "compiled SDPA, det. on"), ("compiled_dash", "compiled dash"),
                ("varlen_attn_on", "`varlen_attn`, det. on"), ("varlen_dash", "dash varlen")]
     values = [{r["method"]: r["host_us"] for r in run["rows"]} for run in runs]
-    body = [[title, *(f"{v[method]:.0f}" for v in values)] for method, title in methods]
+    body = [[title, *(f"{v[method]:.0f}" if method in v else "–" for v in values)]
+            for method, title in methods if any(method in v for v in values)]
     for mine, base, title in (("dash", "sdpa_off", "eager dash / SDPA det. off"),
                               ("compiled_dash", "compiled_sdpa_off",
                                "compiled dash / SDPA det. off")):

@@ -10,6 +10,10 @@ turns for ``--rounds`` rounds, and the median round is reported. Methods:
 
 - ``sdpa_off`` / ``sdpa_on``: ``F.scaled_dot_product_attention``, determinism off / on;
 - ``dash``: ``dash_inductor.attention``, determinism on;
+- ``floor``: a ``torch.autograd.Function`` that allocates what dash's returns and gradients
+  need and launches nothing: what a Python autograd function costs alone;
+- ``dash_triton_launcher`` (CUDA): ``dash`` with its kernels launched by Triton's launcher
+  instead of the CUDA driver calls of ``ops/shared/driver.py``;
 - the same three through ``torch.compile`` (``compiled_*``: the determinism-on one is rewritten
   into ``dash.attention``);
 - packed documents (4 of random length, 8192 tokens): ``varlen_attn`` determinism on, against
@@ -33,6 +37,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 Call = Callable[[], None]
+Setup = Callable[[], None] | None  # run before a method's timing, after the others'
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -46,8 +51,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _dense_methods(device: str, compile_too: bool) -> dict[str, tuple[bool, Call]]:
-    """(determinism on, call) by method name."""
+def _launcher(name: str | None) -> Call:
+    """A setup that makes dash launch through ``name`` (None: the launcher in force now),
+    planning anew where that changes it."""
+    from dash_inductor.ops import cache_clear
+    from dash_inductor.ops.shared import launch
+
+    wanted = name or launch.LAUNCHER
+
+    def setup() -> None:
+        if launch.LAUNCHER != wanted:
+            launch.LAUNCHER = wanted
+            cache_clear()
+    return setup
+
+
+def _dense_methods(device: str, compile_too: bool) -> dict[str, tuple[bool, Call, Setup]]:
+    """(determinism on, call, setup) by method name."""
     import torch
     import torch.nn.functional as F
 
@@ -62,9 +82,29 @@ def _dense_methods(device: str, compile_too: bool) -> dict[str, tuple[bool, Call
     def eager(fn) -> Call:
         return lambda: fn(q, k, v, is_causal=True).backward(grad)
 
-    methods = {"sdpa_off": (False, eager(F.scaled_dot_product_attention)),
-               "sdpa_on": (True, eager(F.scaled_dot_product_attention)),
-               "dash": (True, eager(dash_inductor.attention))}
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out = torch.empty_like(q)
+            ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:3], dtype=torch.float32))
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, _, _ = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def floor(q, k, v, is_causal):
+        return Floor.apply(q, k, v)
+
+    dash = _launcher(None)
+    methods = {"sdpa_off": (False, eager(F.scaled_dot_product_attention), None),
+               "sdpa_on": (True, eager(F.scaled_dot_product_attention), None),
+               "floor": (True, eager(floor), None),
+               "dash": (True, eager(dash_inductor.attention), dash)}
+    if device == "cuda":
+        methods["dash_triton_launcher"] = (True, eager(dash_inductor.attention),
+                                           _launcher("triton"))
     if compile_too:
         for name, det in (("sdpa_off", False), ("sdpa_on", True), ("dash", True)):
             def sdpa(q, k, v):
@@ -75,11 +115,12 @@ def _dense_methods(device: str, compile_too: bool) -> dict[str, tuple[bool, Call
                 torch.use_deterministic_algorithms(det)
                 compiled = torch.compile(sdpa, dynamic=False)
                 compiled(q, k, v).backward(grad)  # compiles under this method's settings
-            methods[f"compiled_{name}"] = (det, lambda c=compiled: c(q, k, v).backward(grad))
+            methods[f"compiled_{name}"] = (det, lambda c=compiled: c(q, k, v).backward(grad),
+                                           dash if name == "dash" else None)
     return methods
 
 
-def _varlen_methods(device: str) -> dict[str, tuple[bool, Call]]:
+def _varlen_methods(device: str) -> dict[str, tuple[bool, Call, Setup]]:
     import torch
 
     import dash_inductor
@@ -104,16 +145,18 @@ def _varlen_methods(device: str) -> dict[str, tuple[bool, Call]]:
     def call(fn) -> Call:
         return lambda: fn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0)).backward(grad)
 
-    methods = {"varlen_dash": (True, call(dash_inductor.varlen_attention))}
+    methods = {"varlen_dash": (True, call(dash_inductor.varlen_attention), _launcher(None))}
     if varlen_attn is not None and device == "cuda":
-        methods["varlen_attn_on"] = (True, call(varlen_attn))
+        methods["varlen_attn_on"] = (True, call(varlen_attn), None)
     return methods
 
 
-def _time(device: str, det: bool, call: Call, calls: int) -> tuple[float, float]:
+def _time(device: str, det: bool, call: Call, setup: Setup, calls: int) -> tuple[float, float]:
     import torch
 
     torch.use_deterministic_algorithms(det)
+    if setup is not None:
+        setup()
     for _ in range(3):
         call()
     if device == "cuda":
@@ -128,10 +171,11 @@ def _time(device: str, det: bool, call: Call, calls: int) -> tuple[float, float]
     return 1e6 * host / calls, 1e6 * done / calls
 
 
-def _profile(det: bool, call: Call, calls: int, count: int = 30) -> list[str]:
+def _profile(det: bool, call: Call, setup: Setup, calls: int, count: int = 30) -> list[str]:
     import torch
 
     torch.use_deterministic_algorithms(det)
+    setup()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
@@ -160,8 +204,8 @@ def _main(args: argparse.Namespace) -> int:
     methods.update(_varlen_methods(device))
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
     for _ in range(args.rounds):
-        for name, (det, call) in methods.items():
-            samples[name].append(_time(device, det, call, args.calls))
+        for name, (det, call, setup) in methods.items():
+            samples[name].append(_time(device, det, call, setup, args.calls))
     rows = []
     for name, runs in samples.items():
         host = statistics.median(r[0] for r in runs)

@@ -22,7 +22,7 @@ def test_host_bench_times_every_method_on_the_cpu(tmp_path):
                       "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "host.json").read_text())
     methods = {row["method"]: row for row in result["rows"]}
-    assert set(methods) == {"sdpa_off", "sdpa_on", "dash", "varlen_dash"}
+    assert set(methods) == {"sdpa_off", "sdpa_on", "floor", "dash", "varlen_dash"}
     for row in methods.values():
         assert len(row["host_us_rounds"]) == 2 and 0 < row["host_us"] <= row["done_us"]
     assert not torch.are_deterministic_algorithms_enabled()
