@@ -19,7 +19,9 @@ turns for ``--rounds`` rounds, and the median round is reported. Methods:
 - packed documents (4 of random length, 8192 tokens): ``varlen_attn`` determinism on, against
   ``dash_inductor.varlen_attention`` (CUDA only).
 
-``--profile`` adds cProfile's functions with the most own time in dash's eager call.
+``--profile`` adds cProfile's functions with the most own time in dash's eager call;
+``--launches`` (CUDA) the host time of each of dash's kernel launches alone, replayed with its
+last arguments, by the driver and by Triton's launcher.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--launches", action="store_true")
     parser.add_argument("--no-compile", action="store_true", help="eager methods only")
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
@@ -196,6 +199,46 @@ def main(argv: list[str] | None = None) -> int:
         torch.use_deterministic_algorithms(saved)
 
 
+def _launches(call: Call, calls: int, rounds: int) -> list[dict]:
+    """Each launch slot of dash's forward and backward plans, replayed alone ``calls`` times a
+    round with the arguments of its last launch, under each launcher: median host µs a launch."""
+    import torch
+
+    from dash_inductor.library.op import last_plans
+
+    torch.use_deterministic_algorithms(True)
+    restore, rows = _launcher(None), []
+    for launcher in ("driver", "triton"):
+        _launcher(launcher)()
+        for _ in range(3):
+            call()
+        seen: dict[str, tuple] = {}
+        plans = [plan for plan in last_plans()[-2:] if plan.launches is not None]
+        for plan in plans:  # the bound launches are private: wrap them to see their arguments
+            bound = plan.launches._bound
+            for slot, launch in list(bound.items()):
+                def spy(grid, args, launch=launch, slot=slot):
+                    seen[slot] = (launch, grid, args)
+                    launch(grid, args)
+                bound[slot] = spy
+        call()
+        for plan in plans:
+            for slot in plan.launches._bound:
+                plan.launches._bound[slot] = seen[slot][0]
+        for slot, (launch, grid, args) in seen.items():
+            times = []
+            for _ in range(rounds):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    launch(grid, args)
+                times.append(1e6 * (time.perf_counter() - start) / calls)
+            rows.append({"launcher": launcher, "slot": slot, "grid": list(grid),
+                         "host_us": statistics.median(times), "host_us_rounds": times})
+    restore()
+    return rows
+
+
 def _main(args: argparse.Namespace) -> int:
     import torch
 
@@ -223,11 +266,17 @@ def _main(args: argparse.Namespace) -> int:
     profile = _profile(*methods["dash"], calls=min(args.calls, 100)) if args.profile else []
     for line in profile:
         print(line)
+    launches = (_launches(methods["dash"][1], args.calls, args.rounds)
+                if args.launches and device == "cuda" else [])
+    for row in launches:
+        print(f"{row['launcher']:<8}{row['slot']:<14}{str(row['grid']):<12}"
+              f"{row['host_us']:>8.1f} us a launch alone")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "host.json").write_text(json.dumps(
             {"device": name, "torch": torch.__version__, "triton": triton.__version__,
-             "calls": args.calls, "rounds": args.rounds, "rows": rows, "profile": profile},
+             "calls": args.calls, "rounds": args.rounds, "rows": rows, "profile": profile,
+             "launches": launches},
             indent=1))
     return 0
 
