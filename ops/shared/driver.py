@@ -55,6 +55,15 @@ def _driver() -> ctypes.CDLL:
     return _cuda
 
 
+def _loadable() -> bool:
+    """Whether libcuda loads here (not on a machine with no CUDA driver, e.g. ROCm's)."""
+    try:
+        _driver()
+    except OSError:
+        return False
+    return True
+
+
 def _check(status: int, what: str) -> None:
     if status:
         text = ctypes.c_char_p()
@@ -130,6 +139,8 @@ def bind(compiled, nargs: int) -> Callable[[tuple, tuple], None] | None:
     ``nargs`` arguments (the rest are constexprs), or None where the kernel needs what only
     Triton's launcher does: scratch buffers, clusters, launch attributes, tuple or bf16 scalar
     parameters, descriptors without TMA metadata, or a parameter list the driver disagrees with."""
+    if torch.version.hip is not None or not _loadable():
+        return None
     metadata = compiled.metadata
     if (getattr(metadata, "global_scratch_size", 0) or getattr(metadata, "profile_scratch_size", 0)
             or getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_pdl", False)
