@@ -130,8 +130,10 @@ class Launches:
     Triton's ``kernel[grid](...)`` specialises every argument on every call (its type, whether an
     int is 1 or a multiple of 16, a pointer's alignment), which took more host time than the
     launch. A plan's signature (``dispatch.py``) fixes all of that, so each launch site of a plan
-    (its ``slot``) binds once and later launches call the compiled kernel directly. Under the
-    interpreter every launch goes through Triton, which has no compiled kernel to bind.
+    (its ``slot``) binds once and later launches call the compiled kernel directly: through the
+    CUDA driver (``driver.py``), or Triton's launcher where that cannot lay the kernel out or a
+    profiler has set launch hooks. Under the interpreter every launch goes through Triton, which
+    has no compiled kernel to bind.
     """
 
     __slots__ = ("_bound",)
