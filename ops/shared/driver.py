@@ -64,6 +64,11 @@ def _loadable() -> bool:
     return True
 
 
+def _map_aligned(n: int) -> int:
+    """``n`` rounded up to a TMA map's alignment (addresses and offsets alike)."""
+    return -(-n // _MAP_ALIGN) * _MAP_ALIGN
+
+
 def _check(status: int, what: str) -> None:
     if status:
         text = ctypes.c_char_p()
@@ -97,7 +102,7 @@ class _Encodings:
     def __init__(self, meta: dict) -> None:
         self.meta, self.kept = meta, {}
         self.scratch = ctypes.create_string_buffer(_MAP_BYTES + _MAP_ALIGN)
-        self.aligned = -(-ctypes.addressof(self.scratch) // _MAP_ALIGN) * _MAP_ALIGN
+        self.aligned = _map_aligned(ctypes.addressof(self.scratch))
 
     def values(self, desc) -> tuple:
         entry = self.kept.get(id(desc))
@@ -203,10 +208,10 @@ def _launcher(compiled, steps: tuple, fmt: list[str], offsets: list[int], count:
     call is generated with one expression per argument: a loop over the kinds cost more."""
     metadata = compiled.metadata
     head = struct.calcsize(_CONFIG + _ATTRIBUTE)
-    params_at = -(-head // _MAP_ALIGN) * _MAP_ALIGN
+    params_at = _map_aligned(head)
     layout = struct.Struct(_CONFIG + _ATTRIBUTE + "x" * (params_at - head) + "".join(fmt))
     block = ctypes.create_string_buffer(layout.size + 2 * _MAP_ALIGN)
-    base = -(-ctypes.addressof(block) // _MAP_ALIGN) * _MAP_ALIGN
+    base = _map_aligned(ctypes.addressof(block))
     view = (ctypes.c_char * (layout.size + 16)).from_buffer(block, base - ctypes.addressof(block))
     null = base + layout.size + (-layout.size % 8)  # the two scratch pointers: NULL, zeroed
     params = (ctypes.c_void_p * (count + 2))(*(base + params_at + o for o in offsets), null, null)
