@@ -1,7 +1,8 @@
 """Time two revisions of dash_inductor against each other: the working tree and ``--ref REV``.
 
     python bench/ab.py --ref HEAD~1 [--problem B,HQ,HKV,N,D[,causal] ...] [--schedule auto]
-                       [--kernel auto] [--rounds 5] [--warmup 25] [--rep 100] [--json PATH]
+                       [--kernel auto] [--rounds 5] [--warmup 25] [--rep 100] [--dropout P]
+                       [--json PATH]
 
 Each revision is timed the way a user calls it: ``dash_inductor.attention`` for the forward and
 ``torch.autograd.grad`` of its output for the backward, with the same inputs, warm-up and
@@ -137,6 +138,8 @@ def _measure(dash_inductor, job: dict[str, Any], timer) -> dict[str, Any]:
     q, k, v = (t.requires_grad_() for t in (make(hq), make(hkv), make(hkv)))
     grad = make(hq)
     extra = {"enable_gqa": True} if hq != hkv else {}
+    if job.get("dropout_p"):  # a new mask each call, drawn from the default generator
+        extra["dropout_p"] = job["dropout_p"]
     with _choices(dash_inductor, job["schedule"], job["kernel"]):
         forward = lambda: dash_inductor.attention(q, k, v, is_causal=causal, **extra)
         out = forward()
@@ -294,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="repetitions: do_bench's ms on CUDA, calls on a CPU (default 100)")
     parser.add_argument("--device", default=None, help="cuda (default where present) or cpu")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16, float32")
+    parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                        help="dropout_p of every call (default 0; the bits then differ run to run)")
     parser.add_argument("--json", type=Path, help="write the rounds and the summary here")
     args = parser.parse_args(argv)
     if args.worker:
@@ -307,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     problems = args.problem or [parse_problem(p) for p in DEFAULT_PROBLEMS]
     job = {"device": device, "dtype": args.dtype, "schedule": args.schedule,
-           "kernel": args.kernel, "warmup": args.warmup, "rep": args.rep}
+           "kernel": args.kernel, "warmup": args.warmup, "rep": args.rep,
+           "dropout_p": args.dropout}
     with checked_out(args.ref) as (ref_root, commit):
         workers = {"ref": Worker(args.ref, ref_root), "tree": Worker("working tree", ROOT)}
         try:

@@ -45,7 +45,8 @@ def _keep_kernel(RNG, OUT, threshold, L, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
     seed, offset = load_state(RNG, True)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    kept = keep(seed, offset, threshold, bh, pid_m * BLOCK_M, cols, L, S, BLOCK_M)
+    kept = keep(seed, offset, threshold, bh, pid_m * BLOCK_M, pid_n * BLOCK_N, L, S, BLOCK_M,
+                BLOCK_N)
     tl.store(OUT + bh * L * S + rows[:, None] * S + cols[None, :], kept.to(tl.int8),
              mask=(rows[:, None] < L) & (cols[None, :] < S))
 
@@ -67,6 +68,23 @@ def test_reference_mask_is_the_kernels_mask_bit_for_bit(p, tile):
     grid = (triton.cdiv(shape[2], tile[0]), triton.cdiv(shape[3], tile[1]), shape[0] * shape[1])
     _keep_kernel[grid](rng, out, args[1], shape[2], shape[3], BLOCK_M=tile[0], BLOCK_N=tile[1])
     assert torch.equal(out.view(shape).bool(), keep_mask(rng, p, shape))
+
+
+def test_each_element_takes_the_half_its_coordinates_name():
+    """``ops/shared/dropout.py``'s definition element by element, from the formula alone: the
+    call's counter, the output 2 q3 + k3 and the half q % 2, at random coordinates."""
+    shape, p = (2, 3, 37, 45), 0.5
+    batch, heads, n_rows, keys = shape
+    mask = keep_mask(_state("cpu"), p, shape)
+    seed, offset = (int(x) for x in STATE)
+    coords = torch.stack([torch.randint(0, n, (64,)) for n in shape], dim=1).tolist()
+    for b, h, q, k in coords:
+        call = ((b * heads + h) * 4 * math.ceil(n_rows / 16) + 4 * (q // 16) + (q % 8) // 2) \
+            * 8 * math.ceil(keys / 16) + 8 * (k // 16) + k % 8
+        word = int(philox(torch.tensor(seed), torch.tensor(offset + call))[
+            2 * (q // 8 % 2) + k // 8 % 2])
+        half = word >> 16 if q % 2 else word & 0xFFFF
+        assert bool(mask[b, h, q, k]) == (half >= math.ceil(p * 65536)), (b, h, q, k)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])

@@ -1,9 +1,9 @@
 """Attention dropout: the RNG state a call draws, and its keep mask in PyTorch.
 
 The mask is ``ops/shared/dropout.py``'s, bit for bit: Philox4x32-10 (Salmon et al., SC 2011)
-keyed by the call's 64-bit seed, one call per (b, h, row // 4, col) at counter ``offset + ((b * H
-+ h) * ceil(L / 4) + row // 4) * S + col``, output ``row % 4``, kept when at least
-``ceil(p * 2**32)``. Written here in int64 tensor arithmetic (every product below 2**63, so
+keyed by the call's 64-bit seed, one call per eight elements of a 16 x 16 block (that module's
+docstring gives the counter and which 16-bit half an element takes), kept when the half is at
+least ``ceil(p * 2**16)``. Written here in int64 tensor arithmetic (every product below 2**63, so
 nothing relies on overflow) for the reference kernels and the tests.
 
 The state is an int64 (seed, offset) tensor on the query's device, drawn by ``dash::dropout_rng``
@@ -91,20 +91,27 @@ def keep_mask(rng_state: Tensor, dropout_p: float, shape: tuple[int, int, int, i
     """The bool keep mask of a (B, H, L, S) problem at queries ``rows`` and keys ``cols`` (step-1
     slices), on ``rng_state``'s device, without reading the state on the host."""
     # Imported at use: that module also holds the kernels' Triton functions.
-    from dash_inductor.ops.shared.dropout import ROWS_PER_CALL, threshold
+    from dash_inductor.ops.shared.dropout import BLOCK, threshold
 
     batch, heads, n_rows, keys = shape
     start, stop, _ = cols.indices(keys)
     row0, row1, _ = rows.indices(n_rows)
-    row1 = max(row1, row0)
+    stop, row1 = max(stop, start), max(row1, row0)
     device = rng_state.device
-    calls = -(-n_rows // ROWS_PER_CALL)
-    first, last = row0 // ROWS_PER_CALL, -(-row1 // ROWS_PER_CALL)
+    # The 16 x 16 blocks that hold the slices, as (block, call index within the block) pairs.
+    q_first, q_last = row0 // BLOCK, -(-row1 // BLOCK)
+    k_first, k_last = start // BLOCK, -(-stop // BLOCK)
+    q_calls = 4 * -(-n_rows // BLOCK)
+    k_calls = 8 * -(-keys // BLOCK)
     bh = torch.arange(batch * heads, device=device).view(batch, heads, 1, 1)
-    group = torch.arange(first, last, device=device).view(1, 1, -1, 1)
-    col = torch.arange(start, stop, device=device).view(1, 1, 1, -1)
-    counter = rng_state[1] + (bh * calls + group) * keys + col
-    words = torch.stack(philox(rng_state[0], counter), dim=3)  # (B, H, calls, 4, cols)
-    x = words.reshape(batch, heads, (last - first) * ROWS_PER_CALL, -1)
-    skipped = row0 - first * ROWS_PER_CALL  # rows of the first call above row0
-    return x[:, :, skipped:skipped + row1 - row0] >= threshold(dropout_p)
+    qc = torch.arange(4 * q_first, 4 * q_last, device=device).view(1, 1, -1, 1)
+    kc = torch.arange(8 * k_first, 8 * k_last, device=device).view(1, 1, 1, -1)
+    counter = rng_state[1] + (bh * q_calls + qc) * k_calls + kc
+    words = torch.stack(philox(rng_state[0], counter), dim=-1)  # [..., qc, kc, 2 q3 + k3]
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1)  # [..., q0]
+    nq, nk = q_last - q_first, k_last - k_first
+    x = halves.view(batch, heads, nq, 4, nk, 8, 2, 2, 2)  # (qh, qm, kh, kl, q3, k3, q0)
+    x = x.permute(0, 1, 2, 6, 3, 8, 4, 7, 5).reshape(batch, heads, nq * BLOCK, nk * BLOCK)
+    q_skip, k_skip = row0 - q_first * BLOCK, start - k_first * BLOCK
+    x = x[:, :, q_skip:q_skip + row1 - row0, k_skip:k_skip + stop - start]
+    return x >= threshold(dropout_p)

@@ -55,9 +55,9 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
           drop, DROPOUT: gl.constexpr):
     """One step of a KV tile: S^T, P^T, dP^T, dS^T for the Q sub-tile of rows [row0, row0 +
     BLOCK_M) in stage ``it``; dV and dK accumulate (returned), the dQ partial goes to the writer.
-    DROPOUT (``dropout.py``; ``drop`` = (seed, offset, threshold, scale, bh, L)): dV takes the
-    dropped P^T (scaled once, at the store), dS^T the dropped and scaled dP^T, as the portable
-    kernel does."""
+    DROPOUT (``dropout.py``; ``drop`` = (seed, offset, threshold, scale, bh, L, first key)):
+    dV takes the dropped P^T (scaled once, at the store), dS^T the dropped and scaled dP^T, as
+    the portable kernel does."""
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -78,8 +78,9 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
     s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if DROPOUT:  # drawn while the two MMAs run
-        seed, offset, threshold, drop_scale, bh, L = drop
-        kept = dropout.keep_t(seed, offset, threshold, bh, row0, cols, L, S, BLOCK_M, s_layout)
+        seed, offset, threshold, drop_scale, bh, L, col0 = drop
+        kept = dropout.keep_t(seed, offset, threshold, bh, row0, col0, L, S, BLOCK_M, BLOCK_N,
+                              s_layout)
     if DK_IN_FLIGHT:
         # In flight: the previous step's dK, then S^T and dP^T. Waiting for S^T also retires
         # that dK; its Q/dO stage is released with this step's hand-off (below).
@@ -248,7 +249,8 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                                             WINDOW)
                 first_it = it
                 for g in range(g_lo, g_hi):
-                    drop = (seed, offset, drop_threshold, drop_scale, b * HQ + hkv * GROUP + g, L)
+                    drop = (seed, offset, drop_threshold, drop_scale, b * HQ + hkv * GROUP + g, L,
+                            kv * BLOCK_N)
                     for step in range(count * NSUB):
                         _, row0, live = walk.step_rows(step, kv, first, count, tiles_q,
                                                        tiles_kv, q_lo, q_hi, BLOCK_M, BLOCK_N,

@@ -1,15 +1,14 @@
 """Attention dropout's keep mask in Gluon, on the Hopper kernels' wgmma accumulator tiles.
 
 ``shared/dropout.py``'s mask bit for bit: Philox4x32-10 (Salmon, Moraes, Dror and Shaw, SC 2011;
-what ``tl.randint4x`` computes for an int64 counter), one call per (b, h, row // 4, col) at
-counter ``offset + ((b * H + h) * ceil(L / 4) + row // 4) * S + col``, output ``row % 4``, kept
-when at least the uint32 threshold.
+what ``tl.randint4x`` computes for an int64 counter), one call per eight elements of a 16 x 16
+block, each element one 16-bit half of an output, kept when at least the threshold.
 
-A call's four rows lie on two lanes of the backward's S^T accumulator (queries along dim 1) and
-on four lanes of the forward's S (queries along dim 0). Each call is drawn once, by the lane a
-calls layout gives it, and the numbers reach their lanes by warp shuffles: one register-lane swap
-in the backward, two in the forward, one at a time (both at once went through 16 KiB of shared
-memory, which three K/V stages at head dim 128 leave no room for).
+A call's elements differ in q bits 0 and 3 and k bit 3. The backward's S^T accumulator (keys
+along dim 0) holds all three in registers: each thread draws the calls of its own elements and
+the reshape of their halves lands on the accumulator's layout, with no shuffle. The forward's S
+(queries along dim 0) holds q bit 0 on a lane: its calls are drawn with k bit 0 on that lane
+instead, and one register-lane swap (a warp shuffle) moves the numbers to their elements.
 """
 
 from __future__ import annotations
@@ -37,42 +36,30 @@ def load_state(RNG, DROPOUT: gl.constexpr):
 
 @gluon.constexpr_function
 def backward_calls_layout(block_n, block_m, num_warps):
-    """The layout of a (keys, calls) tile of the backward's S^T accumulator
-    (``NVMMADistributedLayout`` v3, warps of 16 keys along dim 0): keys as the accumulator holds
-    them; a call's rows are the accumulator's lowest query bits, so the lane bit among them
-    takes a higher call bit instead and each call lands on one lane of the pair that holds it."""
-    calls = block_m // 4
-    key_regs = [[8, 0]] + [[16 * num_warps << k, 0]
-                           for k in range((block_n // (16 * num_warps)).bit_length() - 1)]
-    call_bits = [[0, 1 << k] for k in range(calls.bit_length() - 1)]
-    # Query bit 0 is a register, bits 1 and 2 lanes (bit 2 is call bit 0), bits 3 and up registers.
-    lanes = [call_bits[-1], [0, 1], [1, 0], [2, 0], [4, 0]]
-    regs = key_regs + call_bits[1:-1]
-    warps = [[16 << k, 0] for k in range(num_warps.bit_length() - 1)]
-    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_n, calls])
+    """The layout of a (key call, query call) tile whose halves a thread assembles into its own
+    elements of the backward's S^T accumulator (``NVMMADistributedLayout`` v3, warps of 16 keys
+    along dim 0): the accumulator's bases without q bits 0 and 3 and k bit 3."""
+    q_regs = [[0, 4 << j] for j in range(block_m.bit_length() - 5)]
+    k_reps = (block_n // (16 * num_warps)).bit_length() - 1  # keys past the warps' 16 each
+    k_regs = [[8 * num_warps << j, 0] for j in range(k_reps)]
+    lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+    warps = [[8 << j, 0] for j in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(q_regs + k_regs, lanes, warps, [],
+                                      [block_n // 2, block_m // 4])
 
 
 @gluon.constexpr_function
 def forward_calls_layout(block_m, block_n, num_warps):
-    """The layout of a (calls, keys) tile of the forward's S accumulator (warps of 16 queries
-    along dim 0): a call's rows are the accumulator's lane bits 2 and 3, which take key bits 3
-    and 4 instead, so each call lands on one lane of the four that hold it."""
-    key_regs = [[0, 1 << k] for k in range(5, block_n.bit_length() - 1)]
-    regs = [[0, 1], [2, 0]] + key_regs  # query bit 3 is call bit 1
-    lanes = [[0, 2], [0, 4], [0, 8], [0, 16], [1, 0]]  # query bit 2 is call bit 0
-    warps = [[4 << k, 0] for k in range(num_warps.bit_length() - 1)]
-    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_m // 4, block_n])
-
-
-@gluon.constexpr_function
-def forward_half_layout(block_m, block_n, num_warps):
-    """The forward mask's layout halfway to S's: query bit 0 on its lane, bit 1 still a
-    register (one register-lane swap at a time stays a warp shuffle)."""
-    key_regs = [[0, 1 << k] for k in range(5, block_n.bit_length() - 1)]
-    regs = [[0, 1], [8, 0]] + key_regs + [[0, 8], [2, 0]]
-    lanes = [[0, 2], [0, 4], [1, 0], [0, 16], [4, 0]]
-    warps = [[16 << k, 0] for k in range(num_warps.bit_length() - 1)]
-    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_m, block_n])
+    """The layout of a (query call, key call) tile of the forward's S accumulator (warps of 16
+    queries along dim 0): its bases without q bit 3 and k bit 3, and k bit 0 on the lane of q
+    bit 0 (a call's two halves of a word lie on two lanes there)."""
+    k_regs = [[0, 8 << j] for j in range(block_n.bit_length() - 5)]
+    q_reps = (block_m // (16 * num_warps)).bit_length() - 1  # queries past the warps' 16 each
+    q_regs = [[4 * num_warps << j, 0] for j in range(q_reps)]
+    lanes = [[0, 2], [0, 4], [0, 1], [1, 0], [2, 0]]
+    warps = [[4 << j, 0] for j in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(k_regs + q_regs, lanes, warps, [],
+                                      [block_m // 4, block_n // 2])
 
 
 @gluon.jit
@@ -95,46 +82,53 @@ def philox(c0, c1, k0, k1):
 
 
 @gluon.jit
-def _draw(seed, offset, bh, row0, keys, L, S, KEYS_AXIS: gl.constexpr, layout: gl.constexpr):
-    """The four outputs of every (call, key) of rows [row0, row0 + 4 calls) and keys ``keys``,
-    in ``layout`` (keys along ``KEYS_AXIS``)."""
-    CALLS: gl.constexpr = layout.shape[1 - KEYS_AXIS]
-    first = bh.to(gl.int64) * ((L + 3) // 4) + row0 // 4
-    calls = first + gl.arange(0, CALLS, layout=gl.SliceLayout(KEYS_AXIS, layout)).to(gl.int64)
-    keys = gl.convert_layout(keys, gl.SliceLayout(1 - KEYS_AXIS, layout)).to(gl.int64)
-    counter = offset + gl.expand_dims(calls * S, KEYS_AXIS) + gl.expand_dims(keys, 1 - KEYS_AXIS)
+def _draw(seed, offset, bh, row0, col0, L, S, KEYS_AXIS: gl.constexpr, layout: gl.constexpr):
+    """The four outputs of every call of rows [row0, row0 + 4 QC) and keys [col0, col0 + 2 KC)
+    (both multiples of 16), in ``layout`` (key calls along ``KEYS_AXIS``)."""
+    QC: gl.constexpr = layout.shape[1 - KEYS_AXIS]
+    KC: gl.constexpr = layout.shape[KEYS_AXIS]
+    q_calls = bh.to(gl.int64) * ((L + 15) // 16 * 4) + row0 // 4 + gl.arange(
+        0, QC, layout=gl.SliceLayout(KEYS_AXIS, layout)).to(gl.int64)
+    k_calls = col0 // 2 + gl.arange(0, KC, layout=gl.SliceLayout(1 - KEYS_AXIS, layout))
+    counter = offset + gl.expand_dims(q_calls * ((S + 15) // 16 * 8), KEYS_AXIS) + gl.expand_dims(
+        k_calls.to(gl.int64), 1 - KEYS_AXIS)
     seed = seed.to(gl.uint64, bitcast=True)
     return philox(counter.to(gl.uint32), (counter >> 32).to(gl.uint32),
                   seed.to(gl.uint32), (seed >> 32).to(gl.uint32))
 
 
 @gluon.jit
-def _interleave(x0, x1, x2, x3):
-    """Two trailing dims holding x0, x1, x2, x3 in that order once flattened."""
-    return gl.join(gl.join(x0, x2), gl.join(x1, x3))
+def _halves(x):
+    """Output ``x``'s (low, high) 16-bit halves along a new last dim: q bit 0."""
+    return gl.join(x & 0xFFFF, x >> 16)
 
 
 @gluon.jit
-def keep_t(seed, offset, threshold, bh, row0, cols, L, S, BLOCK_M: gl.constexpr,
-           s_layout: gl.constexpr):
-    """The keep mask of rows [row0, row0 + BLOCK_M) (row0 a multiple of 4) against keys
-    ``cols``, keys along dim 0, in ``s_layout`` (the backward's S^T)."""
-    BLOCK_N: gl.constexpr = cols.shape[0]
+def _elements(x0, x1, x2, x3):
+    """A call tile's outputs as [.., q0, k3, q3]: output 2 q3 + k3, half q0."""
+    return gl.join(gl.join(_halves(x0), _halves(x1)), gl.join(_halves(x2), _halves(x3)))
+
+
+@gluon.jit
+def keep_t(seed, offset, threshold, bh, row0, col0, L, S, BLOCK_M: gl.constexpr,
+           BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """The keep mask of rows [row0, row0 + BLOCK_M) against keys [col0, col0 + BLOCK_N), keys
+    along dim 0, in ``s_layout`` (the backward's S^T)."""
     layout: gl.constexpr = backward_calls_layout(BLOCK_N, BLOCK_M, gl.num_warps())
-    x0, x1, x2, x3 = _draw(seed, offset, bh, row0, cols, L, S, 0, layout)
-    # The numbers, not the bits, cross lanes: converting bits packed and unpacked them.
-    x = gl.convert_layout(gl.reshape(_interleave(x0, x1, x2, x3), [BLOCK_N, BLOCK_M]), s_layout)
-    return x >= threshold.to(gl.uint32, bitcast=True)
+    x0, x1, x2, x3 = _draw(seed, offset, bh, row0, col0, L, S, 0, layout)
+    # [kc, qc, q0, k3, q3]; kc = (kh, kl), qc = (qh, qm) -> (kh, k3, kl, qh, q3, qm, q0)
+    x = gl.reshape(_elements(x0, x1, x2, x3), [BLOCK_N // 16, 8, BLOCK_M // 16, 4, 2, 2, 2])
+    x = gl.reshape(gl.permute(x, (0, 5, 1, 2, 6, 3, 4)), [BLOCK_N, BLOCK_M])
+    return gl.convert_layout(x, s_layout) >= threshold.to(gl.uint32)
 
 
 @gluon.jit
-def keep(seed, offset, threshold, bh, row0, cols, L, S, BLOCK_M: gl.constexpr,
-         s_layout: gl.constexpr):
+def keep(seed, offset, threshold, bh, row0, col0, L, S, BLOCK_M: gl.constexpr,
+         BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """:func:`keep_t` with queries along dim 0, in ``s_layout`` (the forward's S)."""
-    BLOCK_N: gl.constexpr = cols.shape[0]
     layout: gl.constexpr = forward_calls_layout(BLOCK_M, BLOCK_N, gl.num_warps())
-    x0, x1, x2, x3 = _draw(seed, offset, bh, row0, cols, L, S, 1, layout)
-    x = gl.reshape(_interleave(x0, x1, x2, x3), [BLOCK_M // 4, BLOCK_N, 4])
-    x = gl.reshape(gl.permute(x, (0, 2, 1)), [BLOCK_M, BLOCK_N])
-    x = gl.convert_layout(x, forward_half_layout(BLOCK_M, BLOCK_N, gl.num_warps()))
-    return gl.convert_layout(x, s_layout) >= threshold.to(gl.uint32, bitcast=True)
+    x0, x1, x2, x3 = _draw(seed, offset, bh, row0, col0, L, S, 1, layout)
+    # [qc, kc, q0, k3, q3]; qc = (qh, qm), kc = (kh, kl) -> (qh, q3, qm, q0, kh, k3, kl)
+    x = gl.reshape(_elements(x0, x1, x2, x3), [BLOCK_M // 16, 4, BLOCK_N // 16, 8, 2, 2, 2])
+    x = gl.reshape(gl.permute(x, (0, 6, 1, 4, 2, 5, 3)), [BLOCK_M, BLOCK_N])
+    return gl.convert_layout(x, s_layout) >= threshold.to(gl.uint32)

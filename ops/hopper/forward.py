@@ -187,7 +187,8 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
     mbarrier.wait(k_ready.index(0), 0)
     s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if DROPOUT:  # drawn while the MMA runs
-        kept = dropout.keep(seed, offset, drop_threshold, bh, row0, offs_n, L, S, PART_M, s_layout)
+        kept = dropout.keep(seed, offset, drop_threshold, bh, row0, 0, L, S, PART_M, BLOCK_N,
+                            s_layout)
     s = warpgroup_mma_wait(0, deps=(s, ))
     s = _masked(s, 0, mask_from, diagonal, offs_n, seq_s, BLOCK_N, CAUSAL)
     m_i = _row_max(gl.max(s, 1), KEYLESS)
@@ -207,8 +208,8 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
                           is_async=True)
         acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
         if DROPOUT:
-            kept = dropout.keep(seed, offset, drop_threshold, bh, row0, j * BLOCK_N + offs_n, L,
-                                S, PART_M, s_layout)
+            kept = dropout.keep(seed, offset, drop_threshold, bh, row0, j * BLOCK_N, L, S,
+                                PART_M, BLOCK_N, s_layout)
         s = warpgroup_mma_wait(1, deps=(s, ))
         s = _masked(s, j, mask_from, diagonal, offs_n, seq_s, BLOCK_N, CAUSAL)
         m_new = _row_max(gl.maximum(m_i, gl.max(s, 1)), KEYLESS)

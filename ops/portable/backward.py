@@ -177,8 +177,8 @@ def _backward_main_kernel(
                                 p_t = tl.where(cols[:, None] < S, p_t, 0.0)
                             dp_t = mm(v, tl.trans(do), PRECISION)
                             if DROPOUT:
-                                kept = keep_t(seed, offset, drop_threshold, bh, row0, cols, L, S,
-                                              BLOCK_M)
+                                kept = keep_t(seed, offset, drop_threshold, bh, row0,
+                                              kv * BLOCK_N, L, S, BLOCK_M, BLOCK_N)
                                 dv += mm(tl.where(kept, p_t, 0.0).to(do.dtype), do, PRECISION)
                                 dp_t = tl.where(kept, dp_t * drop_scale, 0.0)
                             else:

@@ -55,8 +55,8 @@ def _online_step(acc, m_i, l_i, s, V, start_n, offs_n, S, stride_vn, stride_ve, 
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
         seed, offset, threshold, bh, row0, L = drop
-        p = tl.where(keep(seed, offset, threshold, bh, row0, start_n + offs_n, L, S,
-                          p.shape[0]), p, 0.0)
+        p = tl.where(keep(seed, offset, threshold, bh, row0, start_n, L, S, p.shape[0],
+                          p.shape[1]), p, 0.0)
     v = load_tile(V, start_n + offs_n, tl.arange(0, HEAD_EV), stride_vn, stride_ve, S, EV, BOUNDS,
                   EV != HEAD_EV)
     acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, PRECISION)

@@ -39,7 +39,7 @@ def load_row_stats(LSE, DELTA, row_base, rows, lo, hi, CHECK_LO: tl.constexpr,
 
 
 @triton.jit
-def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, cols, L, S, diag, qk_scale,
+def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, col0, offs_n, L, S, diag, qk_scale,
                   stride_kn, stride_ke, stride_vn, stride_ve, stride_mm, stride_mn,
                   win_left, win_right, drop,
                   E: tl.constexpr, EV: tl.constexpr, HEAD_E: tl.constexpr, HEAD_EV: tl.constexpr,
@@ -50,6 +50,7 @@ def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, cols, L, S, diag, qk
     Queries stay along dim 0 throughout, so dS feeds the last dot straight from registers; the
     transposed orientation of the main kernel would cost a shared-memory round trip per tile.
     """
+    cols = col0 + offs_n
     k = load_tile(K, cols, tl.arange(0, HEAD_E), stride_kn, stride_ke, S, E, BOUNDS, E != HEAD_E)
     v = load_tile(V, cols, tl.arange(0, HEAD_EV), stride_vn, stride_ve, S, EV, BOUNDS, EV != HEAD_EV)
     s = masked_scores(q, k, rows, cols, L, S, diag, qk_scale, MASK, stride_mm, stride_mn,
@@ -61,7 +62,8 @@ def _dq_tile_step(dq, q, do, lse2, delta, K, V, MASK, rows, cols, L, S, diag, qk
     dp = mm(do, tl.trans(v), PRECISION)
     if DROPOUT:
         seed, offset, threshold, bh, row0, drop_scale = drop
-        dp = tl.where(keep(seed, offset, threshold, bh, row0, cols, L, S, rows.shape[0]),
+        dp = tl.where(keep(seed, offset, threshold, bh, row0, col0, L, S, rows.shape[0],
+                           cols.shape[0]),
                       dp * drop_scale, 0.0)
     ds = (p * (dp - delta[:, None])).to(k.dtype)
     return dq + mm(ds, k, PRECISION)
@@ -120,17 +122,17 @@ def _backward_dq_kernel(
     seed, offset = load_state(RNG, DROPOUT)
     drop = (seed, offset, drop_threshold, pid_bh, start_m, drop_scale)
     for start_n in range(start, full_start, BLOCK_N):  # a window's left edge
-        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
+        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n, offs_n,
                            L, S, diag, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve,
                            stride_mm, stride_mn, win_left, win_right, drop, E, EV, HEAD_E,
                            HEAD_EV, CAUSAL, True, MASK_KIND, WINDOW, PRECISION, DROPOUT)
     for start_n in range(full_start, full_end, BLOCK_N):
-        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
+        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n, offs_n,
                            L, S, diag, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve,
                            stride_mm, stride_mn, win_left, win_right, drop, E, EV, HEAD_E,
                            HEAD_EV, False, False, MASK_KIND, False, PRECISION, DROPOUT)
     for start_n in range(full_end, end, BLOCK_N):
-        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n + offs_n,
+        dq = _dq_tile_step(dq, q, do, lse2, delta, k_ptr, v_ptr, mask_ptr, rows, start_n, offs_n,
                            L, S, diag, qk_scale, stride_kn, stride_ke, stride_vn, stride_ve,
                            stride_mm, stride_mn, win_left, win_right, drop, E, EV, HEAD_E,
                            HEAD_EV, CAUSAL, True, MASK_KIND, WINDOW, PRECISION, DROPOUT)

@@ -1,16 +1,24 @@
 """Attention dropout's keep mask: a pure function of the call's RNG state and an element's place.
 
-Element (b, h, row, col) of a (B, H, L, S) problem is kept when its 32-bit Philox4x32-10 number
-(Salmon, Moraes, Dror and Shaw, "Parallel random numbers: as easy as 1, 2, 3", SC 2011; Triton's
-``tl.randint4x``) is at least ``threshold = ceil(p * 2**32)``, i.e. when the uniform ``x / 2**32``
-is >= p. One Philox call gives four numbers, to four consecutive rows: the counter is
-``offset + ((b * H + h) * ceil(L / 4) + row // 4) * S + col``, the number is output ``row % 4``,
-and the key is the 64-bit ``seed``. Nothing in it depends on the tiling, the grid, the schedule
-or which program computes a tile, so the forward and every backward kernel draw the same mask,
-and ``dash_inductor/library/dropout.py`` computes it bit for bit in PyTorch.
+One Philox4x32-10 call (Salmon, Moraes, Dror and Shaw, "Parallel random numbers: as easy as 1, 2,
+3", SC 2011; Triton's ``tl.randint4x``) decides eight elements of a (B, H, L, S) problem, one
+16-bit half of its outputs each. Element (b, h, q, k) (q the query row, k the key column) takes
+call ``offset + ((b * H + h) * 4 * ceil(L / 16) + qc) * 8 * ceil(S / 16) + kc``, where
+``qc = 4 (q // 16) + (q % 8) // 2`` and ``kc = 8 (k // 16) + k % 8``; output ``2 q3 + k3``
+(bit 3 of q and of k); its low half for an even q, its high half for an odd one. The element is
+kept when that half is at least ``threshold = ceil(p * 2**16)``: p rounded up to a multiple of
+2**-16, so the keep rate is within 2**-16 of 1 - p. Kept values are scaled by ``1 / (1 - p)``,
+as SDPA's dropout does. The key is the 64-bit ``seed``.
+
+Why this order: the Hopper backward's S^T accumulator gives a thread q bits 0 and 3 and k bit 3
+as registers, so each thread draws the calls of its own elements and no number crosses lanes;
+eight elements a call is half the Philox work of one 32-bit number each. Nothing depends on the
+tiling, the grid, the schedule or which program computes a tile, so the forward and every
+backward kernel draw the same mask, and ``dash_inductor/library/dropout.py`` computes it bit for
+bit in PyTorch. A tile's rows and columns start at multiples of 16 and span multiples of 16.
 
 ``rng`` is the call's int64 (seed, offset) tensor, loaded on the device: a launch never reads it
-on the host. Kept values are scaled by ``1 / (1 - p)``, as SDPA's dropout does.
+on the host.
 """
 
 from __future__ import annotations
@@ -22,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-#: Rows that share one Philox call (its four outputs).
-ROWS_PER_CALL = 4
+#: Rows and columns of the square block whose calls a tile draws whole.
+BLOCK = 16
 
 
 class Dropout(NamedTuple):
@@ -34,19 +42,18 @@ class Dropout(NamedTuple):
 
 
 def threshold(p: float) -> int:
-    """The smallest 32-bit number kept: ``ceil(p * 2**32)`` (exact: p * 2**32 is a float), at
-    most 2**32 - 1 so that it fits the kernels' uint32 compare."""
-    return min(math.ceil(p * 4294967296.0), 4294967295)
+    """The smallest 16-bit number kept: ``ceil(p * 2**16)`` (exact: p * 2**16 is a float), at
+    most 2**16 - 1 so that some element can be kept for any p < 1."""
+    return min(math.ceil(p * 65536.0), 65535)
 
 
 def kernel_args(dropout: Dropout | None, placeholder: torch.Tensor) -> tuple:
-    """The kernels' (RNG, drop_threshold, drop_scale) arguments: the threshold as the int32 with
-    its bits, so that its type never changes with p (no recompile, and the plan's bound launch
-    stays valid)."""
+    """The kernels' (RNG, drop_threshold, drop_scale) arguments; the threshold an int32 for
+    every p, so that its type never changes (no recompile, the plan's bound launch stays
+    valid)."""
     if dropout is None:
         return placeholder, 0, 1.0
-    bits = threshold(dropout.p)
-    return dropout.rng, bits - (1 << 32) if bits >= 1 << 31 else bits, 1.0 / (1.0 - dropout.p)
+    return dropout.rng, threshold(dropout.p), 1.0 / (1.0 - dropout.p)
 
 
 @triton.jit
@@ -62,20 +69,31 @@ def load_state(RNG, DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def keep_t(seed, offset, threshold, bh, row0, cols, L, S, BLOCK_M: tl.constexpr):
-    """The keep mask of rows ``row0 .. row0 + BLOCK_M`` (``row0`` a multiple of 4) against keys
-    ``cols``, keys along dim 0: (len(cols), BLOCK_M), as the backward's transposed tiles."""
-    GROUPS: tl.constexpr = BLOCK_M // 4
-    groups = row0 // 4 + tl.arange(0, GROUPS)
-    calls = bh.to(tl.int64) * ((L + 3) // 4) + groups.to(tl.int64)
-    counter = offset + calls[None, :] * S + cols.to(tl.int64)[:, None]
-    x0, x1, x2, x3 = tl.randint4x(seed, counter)
-    # join(join(x0, x2), join(x1, x3))[..., j, k] is output 2j + k: row % 4 once flattened.
-    x = tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), [cols.shape[0], BLOCK_M])
-    return x >= threshold.to(tl.uint32, bitcast=True)
+def _halves(x):
+    """Output ``x``'s (low, high) 16-bit halves along a new last dim: q bit 0."""
+    return tl.join(x & 0xFFFF, x >> 16)
 
 
 @triton.jit
-def keep(seed, offset, threshold, bh, row0, cols, L, S, BLOCK_M: tl.constexpr):
-    """:func:`keep_t` with queries along dim 0: (BLOCK_M, len(cols)), as the forward's tiles."""
-    return tl.trans(keep_t(seed, offset, threshold, bh, row0, cols, L, S, BLOCK_M))
+def keep_t(seed, offset, threshold, bh, row0, col0, L, S, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr):
+    """The keep mask of rows [row0, row0 + BLOCK_M) against keys [col0, col0 + BLOCK_N), keys
+    along dim 0: (BLOCK_N, BLOCK_M), as the backward's transposed tiles."""
+    KC: tl.constexpr = BLOCK_N // 2
+    QC: tl.constexpr = BLOCK_M // 4
+    q_calls = bh.to(tl.int64) * ((L + 15) // 16 * 4) + row0 // 4 + tl.arange(0, QC)
+    k_calls = col0 // 2 + tl.arange(0, KC)
+    counter = offset + q_calls[None, :] * ((S + 15) // 16 * 8) + k_calls.to(tl.int64)[:, None]
+    x0, x1, x2, x3 = tl.randint4x(seed, counter)
+    # [kc, qc, q0, k3, q3]; kc = (kh, kl), qc = (qh, qm) -> (kh, k3, kl, qh, q3, qm, q0)
+    x = tl.join(tl.join(_halves(x0), _halves(x1)), tl.join(_halves(x2), _halves(x3)))
+    x = tl.reshape(x, [KC // 8, 8, QC // 4, 4, 2, 2, 2])
+    x = tl.reshape(tl.permute(x, (0, 5, 1, 2, 6, 3, 4)), [BLOCK_N, BLOCK_M])
+    return x >= threshold.to(tl.uint32)
+
+
+@triton.jit
+def keep(seed, offset, threshold, bh, row0, col0, L, S, BLOCK_M: tl.constexpr,
+         BLOCK_N: tl.constexpr):
+    """:func:`keep_t` with queries along dim 0: (BLOCK_M, BLOCK_N), as the forward's tiles."""
+    return tl.trans(keep_t(seed, offset, threshold, bh, row0, col0, L, S, BLOCK_M, BLOCK_N))
