@@ -137,7 +137,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _plan_forward(q, k, v, mask, out, is_causal, window, kernel, dropout, config) -> Plan:
-    path, reason = rules.forward_path(kernel, q, k, v, mask, window, dropout)
+    path, reason = rules.forward_path(kernel, q, k, v, mask, window, dropout, is_causal)
     batch, hq, seq_q, e = q.shape
     if path == HOPPER:
         launcher = _hopper()[0]

@@ -38,8 +38,8 @@ def check_kernel(kernel: str) -> None:
         raise ValueError(f"dash.attention: kernel must be one of {list(KERNELS)}, got {kernel!r}")
 
 
-def forward_path(kernel: str, q, k, v, mask, window,
-                 dropout: bool = False) -> tuple[str, str | None]:
+def forward_path(kernel: str, q, k, v, mask, window, dropout: bool = False,
+                 causal: bool = False) -> tuple[str, str | None]:
     """The forward's kernel path, and why ``auto`` did not take the Hopper one."""
     check_kernel(kernel)
     if kernel == PORTABLE:
@@ -50,8 +50,9 @@ def forward_path(kernel: str, q, k, v, mask, window,
                          f"use kernel='auto' or 'portable'")
     if reason is not None or kernel == HOPPER:
         return (PORTABLE if reason else HOPPER), reason
-    if dropout:
-        return PORTABLE, hopper_config.dropout_slower("forward", q.shape[-1], False)
+    slower = dropout and hopper_config.dropout_slower("forward", q.shape[-1], causal)
+    if slower:
+        return PORTABLE, slower
     shortest = hopper_config.FORWARD_MIN_SEQ[q.shape[-1]]
     if q.shape[2] >= shortest:
         return HOPPER, None

@@ -289,13 +289,15 @@ def test_an_empty_launch_hook_chain_costs_a_bound_launch_nothing():
 @pytest.mark.parametrize("dim", (64, 128))
 @pytest.mark.parametrize("causal", (False, True))
 def test_auto_with_dropout_takes_the_paths_that_measured_faster(hopper_takes_it, dim, causal):
-    """With dropout ``auto`` runs the portable forward, and the Hopper backward except at head
-    dim 64 causal; a named kernel runs as named."""
+    """With dropout ``auto`` runs the Hopper forward unmasked and the portable one causal, and
+    the Hopper backward except at head dim 64 causal; a named kernel runs as named."""
     q, k, v = _qkv(seq=8192, dim=dim)
-    path, reason = rules.forward_path("auto", q, k, v, None, (-1, -1), dropout=True)
-    assert path == dispatch.PORTABLE and "dropout" in reason
-    assert rules.forward_path("hopper", q, k, v, None, (-1, -1), dropout=True) == (
-        dispatch.HOPPER, None)
+    path, reason = rules.forward_path("auto", q, k, v, None, (-1, -1), dropout=True,
+                                      causal=causal)
+    assert path == (dispatch.PORTABLE if causal else dispatch.HOPPER)
+    assert (reason is not None and "dropout" in reason) == causal
+    assert rules.forward_path("hopper", q, k, v, None, (-1, -1), dropout=True,
+                              causal=causal) == (dispatch.HOPPER, None)
     path, reason = rules.backward_path("auto", "auto", q, k, v, None, (-1, -1), dropout=True,
                                        causal=causal)
     slower = dim == 64 and causal

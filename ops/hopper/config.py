@@ -26,14 +26,15 @@ FORWARD_MIN_SEQ = {64: 4096, 128: 2048}
 
 
 def dropout_slower(op: str, head_dim: int, causal: bool) -> str | None:
-    """Why ``auto`` keeps a call with dropout off the Hopper kernel ``op``, or None. The mask's
-    registers spill in the step loop, most where causal; measured against the portable kernels,
-    the Hopper forward won nowhere beyond noise and the backward lost at head dim 64, causal."""
-    if op == "forward":
-        return "dropout_p > 0 (the Hopper forward with dropout measured no faster than the portable one)"
-    if head_dim == 64 and causal:
+    """Why ``auto`` keeps a call with dropout off the Hopper kernel ``op``, or None: measured
+    against the portable kernels with the mask drawn, the Hopper forward lost where causal and
+    the backward never won at head dim 64, causal."""
+    if op == "forward" and causal:
+        return ("dropout_p > 0, causal (the Hopper forward with dropout measured slower than the "
+                "portable one there)")
+    if op == "backward" and head_dim == 64 and causal:
         return ("dropout_p > 0 at head dim 64, causal (the Hopper backward with dropout measured "
-                "slower than the portable one there)")
+                "no faster than the portable one there)")
     return None
 
 

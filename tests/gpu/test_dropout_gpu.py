@@ -12,6 +12,7 @@ import torch
 from dash_inductor.library.dropout import keep_mask
 from dash_inductor.ops import attention_backward, attention_forward
 from dash_inductor.ops.catalog import DETERMINISTIC
+from dash_inductor.ops.hopper import config as hopper_config
 from dash_inductor.ops.shared.dropout import Dropout
 from dash_inductor.testing import assert_flash_rule
 
@@ -116,11 +117,15 @@ def test_the_hopper_kernels_with_dropout_repeat_their_bits(schedule):
 
 @pytest.mark.parametrize("head_dim, causal", [(128, False), (128, True), (64, False), (64, True)])
 def test_auto_with_dropout_runs_the_measured_paths(head_dim, causal):
-    """``auto`` with dropout: the portable forward, then the Hopper backward (the portable one at
-    head dim 64 causal), with the bits of those kernels named."""
-    q, k, v, do = _inputs(1, 8, 8, 2048, head_dim, seed=5)
+    """``auto`` with dropout: the Hopper forward unmasked where it takes that length, else the
+    portable one; the Hopper backward (the portable one at head dim 64 causal); with the bits of
+    those kernels named."""
+    seq = 2048
+    q, k, v, do = _inputs(1, 8, 8, seq, head_dim, seed=5)
+    hopper_forward = not causal and seq >= hopper_config.FORWARD_MIN_SEQ[head_dim]
+    forward = "hopper" if hopper_forward else "portable"
     backward = "portable" if head_dim == 64 and causal else "hopper"
     auto, kernels = _run(q, k, v, do, causal, "auto", "auto", "auto")
-    assert kernels == ["portable", backward]
-    named, _ = _run(q, k, v, do, causal, "auto", "portable", backward)
+    assert kernels == [forward, backward]
+    named, _ = _run(q, k, v, do, causal, "auto", forward, backward)
     assert all(torch.equal(a, b) for a, b in zip(auto, named))
