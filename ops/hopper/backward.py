@@ -41,7 +41,8 @@ from . import deal, dq_tail, dropout, walk
 from .dq_order import dq_mma_layout, staging_layout
 from .dq_writer import dq_writer_partition
 from .loader import load_partition
-from .primitives import LAST_NAMED_BARRIER, named_barrier_arrive, partition_barrier, zero_outside
+from .primitives import (LAST_NAMED_BARRIER, named_barrier_arrive, partition_barrier,
+                         store_kv_grads, zero_outside)
 
 
 @gluon.jit
@@ -163,25 +164,6 @@ def _step(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_buf
 
 
 @gluon.jit
-def _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb, stride_dkh,
-                 stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, dv_scale, offs_kn,
-                 offs_kd, dtype: gl.constexpr):
-    """Write KV tile ``kv``'s finished dK and dV, scaled (dV by dropout's 1 / (1 - p), 1.0
-    without: the kept P^T summed, then scaled once, as the portable kernel), the keys of its
-    sequence only."""
-    BLOCK_N: gl.constexpr = offs_kn.shape[0]
-    keys = kv * BLOCK_N + offs_kn
-    in_keys = gl.expand_dims((keys >= k_lo) & (keys < k_hi), 1)
-    packed_keys = gl.expand_dims(k_start + keys, 1).to(gl.int64)
-    dk_ptrs = (DK + b.to(gl.int64) * stride_dkb + hkv.to(gl.int64) * stride_dkh
-               + packed_keys * stride_dkn + gl.expand_dims(offs_kd, 0))
-    dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hkv.to(gl.int64) * stride_dvh
-               + packed_keys * stride_dvn + gl.expand_dims(offs_kd, 0))
-    gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=in_keys)
-    gl.store(dv_ptrs, (dv * dv_scale).to(dtype), mask=in_keys)
-
-
-@gluon.jit
 def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds_smem, dq_bufs,
                        q_ready, q_empty, kv_ready, kv_empty, dq_ready, dq_empty, work_slots,
                        work_ready, work_empty, DK, DV, STASH,
@@ -275,13 +257,13 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                         gl.store(stash, dk)
                         gl.store(stash + BLOCK_N * HEAD_D, dv)
                     else:
-                        _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb,
-                                     stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                                     sm_scale, drop_scale, offs_kn, offs_kd, dtype)
+                        store_kv_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi,
+                                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                                       stride_dvn, sm_scale, drop_scale, offs_kn, offs_kd, dtype)
                 else:
-                    _store_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb,
-                                 stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                                 sm_scale, drop_scale, offs_kn, offs_kd, dtype)
+                    store_kv_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb,
+                                   stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                                   sm_scale, drop_scale, offs_kn, offs_kd, dtype)
         work = w.next(work, claim, num_warps)
         claim += 1
     if TAIL_CONVERT:  # out of items: convert the finished rows while the others compute

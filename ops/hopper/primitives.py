@@ -1,6 +1,6 @@
 """Small pieces the Hopper kernels share: partition barriers, named barriers between partitions,
 TMA copies under the names of the installed Triton, the dQ writer's TMA reduce-add and vectorized
-fp32 adds, and the zeroing of a shared tile's rows."""
+fp32 adds, the zeroing of a shared tile's rows, and the store of a KV tile's dK and dV."""
 
 from __future__ import annotations
 
@@ -137,3 +137,22 @@ def zero_outside(buf, lo, hi, num_warps: gl.constexpr):
     buf.store(gl.where(keep, tile, gl.zeros_like(tile)))
     fence_async_shared()
     partition_barrier()
+
+
+@gluon.jit
+def store_kv_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb, stride_dkh,
+                   stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, dv_scale, offs_kn,
+                   offs_kd, dtype: gl.constexpr):
+    """Write KV tile ``kv``'s finished dK and dV, scaled (dV by dropout's 1 / (1 - p), 1.0
+    without: the kept P^T summed, then scaled once, as the portable kernel), the keys of its
+    sequence only."""
+    BLOCK_N: gl.constexpr = offs_kn.shape[0]
+    keys = kv * BLOCK_N + offs_kn
+    in_keys = gl.expand_dims((keys >= k_lo) & (keys < k_hi), 1)
+    packed_keys = gl.expand_dims(k_start + keys, 1).to(gl.int64)
+    dk_ptrs = (DK + b.to(gl.int64) * stride_dkb + hkv.to(gl.int64) * stride_dkh
+               + packed_keys * stride_dkn + gl.expand_dims(offs_kd, 0))
+    dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hkv.to(gl.int64) * stride_dvh
+               + packed_keys * stride_dvn + gl.expand_dims(offs_kd, 0))
+    gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=in_keys)
+    gl.store(dv_ptrs, (dv * dv_scale).to(dtype), mask=in_keys)
