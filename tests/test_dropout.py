@@ -87,6 +87,14 @@ def test_each_element_takes_the_half_its_coordinates_name():
         assert bool(mask[b, h, q, k]) == (half >= math.ceil(p * 65536)), (b, h, q, k)
 
 
+def test_a_tile_that_splits_a_block_of_16_is_refused():
+    """A call covers a 16 x 16 block: a kernel tile must hold whole blocks."""
+    rng = _state()
+    out = torch.zeros(1, 16, 16, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(Exception, match="spans 16s"):
+        _keep_kernel[(2, 1, 1)](rng, out, 0, 16, 16, BLOCK_M=8, BLOCK_N=16)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_keep_rate_is_within_four_standard_errors(p):
     mask = keep_mask(_state("cpu"), p, (4, 4, 64, 64))

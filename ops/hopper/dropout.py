@@ -114,6 +114,7 @@ def keep_t(seed, offset, threshold, bh, row0, col0, L, S, BLOCK_M: gl.constexpr,
            BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """The keep mask of rows [row0, row0 + BLOCK_M) against keys [col0, col0 + BLOCK_N), keys
     along dim 0, in ``s_layout`` (the backward's S^T)."""
+    gl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "a dropout tile spans 16s")
     layout: gl.constexpr = backward_calls_layout(BLOCK_N, BLOCK_M, gl.num_warps())
     x0, x1, x2, x3 = _draw(seed, offset, bh, row0, col0, L, S, 0, layout)
     # [kc, qc, q0, k3, q3]; kc = (kh, kl), qc = (qh, qm) -> (kh, k3, kl, qh, q3, qm, q0)
@@ -126,6 +127,7 @@ def keep_t(seed, offset, threshold, bh, row0, col0, L, S, BLOCK_M: gl.constexpr,
 def keep(seed, offset, threshold, bh, row0, col0, L, S, BLOCK_M: gl.constexpr,
          BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """:func:`keep_t` with queries along dim 0, in ``s_layout`` (the forward's S)."""
+    gl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "a dropout tile spans 16s")
     layout: gl.constexpr = forward_calls_layout(BLOCK_M, BLOCK_N, gl.num_warps())
     x0, x1, x2, x3 = _draw(seed, offset, bh, row0, col0, L, S, 1, layout)
     # [qc, kc, q0, k3, q3]; qc = (qh, qm), kc = (kh, kl) -> (qh, q3, qm, q0, kh, k3, kl)

@@ -79,6 +79,7 @@ def keep_t(seed, offset, threshold, bh, row0, col0, L, S, BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr):
     """The keep mask of rows [row0, row0 + BLOCK_M) against keys [col0, col0 + BLOCK_N), keys
     along dim 0: (BLOCK_N, BLOCK_M), as the backward's transposed tiles."""
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "a dropout tile spans 16s")
     KC: tl.constexpr = BLOCK_N // 2
     QC: tl.constexpr = BLOCK_M // 4
     q_calls = bh.to(tl.int64) * ((L + 15) // 16 * 4) + row0 // 4 + tl.arange(0, QC)
