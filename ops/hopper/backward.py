@@ -272,7 +272,7 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                              HEAD_D, num_warps)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["drop_threshold"])  # its value changes with p, not the plan
 def backward_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, DQACC,
                     DQ, STASH, TICKETS, ERR, CU_Q, CU_K, PREFIX, stride_dkb, stride_dkh,
                     stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_dqt, stride_dqh, HQ,

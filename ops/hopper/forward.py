@@ -276,7 +276,7 @@ def _store_keyless(O, LSE, q0, seq_l, row0, b, h, stride_oh, stride_om, HQ, L,
              mask=rows < seq_l)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["drop_threshold"])  # its value changes with p, not the plan
 def forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, stride_oh, stride_om, L,
                    S, HQ, max_q, max_k, qk_scale, RNG, drop_threshold, drop_scale,
                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dash_inductor.library.dropout import keep_mask
-from dash_inductor.ops import attention_backward, attention_forward
+from dash_inductor.ops import attention_backward, attention_forward, cache_clear
 from dash_inductor.ops.catalog import DETERMINISTIC
 from dash_inductor.ops.hopper import config as hopper_config
 from dash_inductor.ops.shared.dropout import Dropout
@@ -26,8 +26,8 @@ P = 0.2
 STATE = (0x1234_5678_9ABC_DEF0 >> 1, (1 << 62) - 7)
 
 
-def _dropout():
-    return Dropout(P, torch.tensor(STATE, dtype=torch.int64, device="cuda"))
+def _dropout(p=P):
+    return Dropout(p, torch.tensor(STATE, dtype=torch.int64, device="cuda"))
 
 
 def _inputs(batch, hq, hkv, seq, dim, seed=0):
@@ -38,23 +38,23 @@ def _inputs(batch, hq, hkv, seq, dim, seed=0):
                  for s in shapes)
 
 
-def _run(q, k, v, do, causal, schedule, forward_kernel, backward_kernel):
+def _run(q, k, v, do, causal, schedule, forward_kernel, backward_kernel, p=P):
     """(out, dq, dk, dv) and the two plans of a forward and backward with dropout."""
     scale = q.shape[-1] ** -0.5
     out = torch.empty_like(do)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
     plans = [attention_forward(q, k, v, None, out, lse, is_causal=causal, scale=scale,
-                               kernel=forward_kernel, dropout=_dropout())]
+                               kernel=forward_kernel, dropout=_dropout(p))]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     plans.append(attention_backward(do, q, k, v, out, lse, None, dq, dk, dv, is_causal=causal,
                                     scale=scale, schedule=schedule, kernel=backward_kernel,
-                                    dropout=_dropout()))
+                                    dropout=_dropout(p)))
     return (out, dq, dk, dv), [plan.kernel for plan in plans]
 
 
-def _ours(q, k, v, do, causal, schedule, kernel="hopper"):
+def _ours(q, k, v, do, causal, schedule, kernel="hopper", p=P):
     """Forward and backward with dropout on ``kernel``."""
-    grads, kernels = _run(q, k, v, do, causal, schedule, kernel, kernel)
+    grads, kernels = _run(q, k, v, do, causal, schedule, kernel, kernel, p)
     assert kernels == [kernel, kernel]
     return grads
 
@@ -101,6 +101,23 @@ def test_the_hopper_kernels_drop_the_portable_mask(head_dim):
     eye = torch.eye(head_dim, device="cuda", dtype=torch.bfloat16).expand_as(q).contiguous()
     keep = keep_mask(_dropout().rng, P, (batch, heads, n, n))
     for kernel in ("portable", "hopper"):
+        out, _, _, dv = _ours(q, k, eye, eye, False, "descending", kernel)
+        assert torch.equal(out != 0, keep), kernel
+        assert torch.equal(dv != 0, keep.transpose(-1, -2)), kernel
+
+
+def test_a_first_threshold_of_one_leaves_later_calls_their_own():
+    """A plan binds its kernels at its first call: a first p of at most 2**-16 (threshold 1, which
+    Triton would make a constant of the binary) leaves a later p on the same plans its own mask."""
+    batch, heads, n = 2, 4, 64
+    q = torch.zeros(batch, heads, n, n, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, heads, n, n, device="cuda", dtype=torch.bfloat16,
+                    generator=torch.Generator(device="cuda").manual_seed(2))
+    eye = torch.eye(n, device="cuda", dtype=torch.bfloat16).expand_as(q).contiguous()
+    keep = keep_mask(_dropout().rng, P, (batch, heads, n, n))
+    for kernel in ("portable", "hopper"):
+        cache_clear()
+        _ours(q, k, eye, eye, False, "descending", kernel, p=2.0 ** -17)
         out, _, _, dv = _ours(q, k, eye, eye, False, "descending", kernel)
         assert torch.equal(out != 0, keep), kernel
         assert torch.equal(dv != 0, keep.transpose(-1, -2)), kernel
