@@ -87,11 +87,12 @@ def _draw(seed, offset, bh, row0, col0, L, S, KEYS_AXIS: gl.constexpr, layout: g
     (both multiples of 16), in ``layout`` (key calls along ``KEYS_AXIS``)."""
     QC: gl.constexpr = layout.shape[1 - KEYS_AXIS]
     KC: gl.constexpr = layout.shape[KEYS_AXIS]
-    q_calls = bh.to(gl.int64) * ((L + 15) // 16 * 4) + row0 // 4 + gl.arange(
-        0, QC, layout=gl.SliceLayout(KEYS_AXIS, layout)).to(gl.int64)
+    q_first = bh.to(gl.int64) * ((L + 15) // 16 * 4) + row0 // 4
+    q_calls = q_first + gl.arange(0, QC, layout=gl.SliceLayout(KEYS_AXIS, layout)).to(gl.int64)
     k_calls = col0 // 2 + gl.arange(0, KC, layout=gl.SliceLayout(1 - KEYS_AXIS, layout))
-    counter = offset + gl.expand_dims(q_calls * ((S + 15) // 16 * 8), KEYS_AXIS) + gl.expand_dims(
-        k_calls.to(gl.int64), 1 - KEYS_AXIS)
+    row_calls = (S + 15) // 16 * 8  # the key calls of one query call
+    counter = (offset + gl.expand_dims(q_calls * row_calls, KEYS_AXIS)
+               + gl.expand_dims(k_calls.to(gl.int64), 1 - KEYS_AXIS))
     seed = seed.to(gl.uint64, bitcast=True)
     return philox(counter.to(gl.uint32), (counter >> 32).to(gl.uint32),
                   seed.to(gl.uint32), (seed >> 32).to(gl.uint32))
