@@ -89,38 +89,41 @@ def test_the_hopper_kernels_with_dropout_follow_the_flash_rule(shape, causal):
         assert_flash_rule(_ours(q, k, v, do, causal, schedule), same, ref, what=schedule)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_hopper_kernels_drop_the_portable_mask(head_dim):
+def _identity_problem(n, seed):
     """q = 0 makes P uniform (1 / S). With S = D keys and v the identity, out = keep / (S (1 -
     p)); with an identity grad_out (L = D queries), dV = (keep / (S (1 - p)))^T: an element is
-    zero exactly where the mask dropped it, in the forward and in the backward."""
-    batch, heads, n = 2, 4, head_dim
-    q = torch.zeros(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16,
-                    generator=torch.Generator(device="cuda").manual_seed(1))
-    eye = torch.eye(head_dim, device="cuda", dtype=torch.bfloat16).expand_as(q).contiguous()
-    keep = keep_mask(_dropout().rng, P, (batch, heads, n, n))
+    zero exactly where the mask dropped it, in the forward and in the backward. (q, k, the
+    identity, P's keep mask) of n queries and keys, head dim n."""
+    batch, heads = 2, 4
+    q = torch.zeros(batch, heads, n, n, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, heads, n, n, device="cuda", dtype=torch.bfloat16,
+                    generator=torch.Generator(device="cuda").manual_seed(seed))
+    eye = torch.eye(n, device="cuda", dtype=torch.bfloat16).expand_as(q).contiguous()
+    return q, k, eye, keep_mask(_dropout().rng, P, (batch, heads, n, n))
+
+
+def _assert_drops(q, k, eye, keep, kernel):
+    out, _, _, dv = _ours(q, k, eye, eye, False, "descending", kernel)
+    assert torch.equal(out != 0, keep), kernel
+    assert torch.equal(dv != 0, keep.transpose(-1, -2)), kernel
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_hopper_kernels_drop_the_portable_mask(head_dim):
+    """Both kernel families drop exactly the reference mask (``_identity_problem``)."""
+    q, k, eye, keep = _identity_problem(head_dim, seed=1)
     for kernel in ("portable", "hopper"):
-        out, _, _, dv = _ours(q, k, eye, eye, False, "descending", kernel)
-        assert torch.equal(out != 0, keep), kernel
-        assert torch.equal(dv != 0, keep.transpose(-1, -2)), kernel
+        _assert_drops(q, k, eye, keep, kernel)
 
 
 def test_a_first_threshold_of_one_leaves_later_calls_their_own():
     """A plan binds its kernels at its first call: a first p of at most 2**-16 (threshold 1, which
     Triton would make a constant of the binary) leaves a later p on the same plans its own mask."""
-    batch, heads, n = 2, 4, 64
-    q = torch.zeros(batch, heads, n, n, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch, heads, n, n, device="cuda", dtype=torch.bfloat16,
-                    generator=torch.Generator(device="cuda").manual_seed(2))
-    eye = torch.eye(n, device="cuda", dtype=torch.bfloat16).expand_as(q).contiguous()
-    keep = keep_mask(_dropout().rng, P, (batch, heads, n, n))
+    q, k, eye, keep = _identity_problem(64, seed=2)
     for kernel in ("portable", "hopper"):
         cache_clear()
         _ours(q, k, eye, eye, False, "descending", kernel, p=2.0 ** -17)
-        out, _, _, dv = _ours(q, k, eye, eye, False, "descending", kernel)
-        assert torch.equal(out != 0, keep), kernel
-        assert torch.equal(dv != 0, keep.transpose(-1, -2)), kernel
+        _assert_drops(q, k, eye, keep, kernel)
 
 
 @pytest.mark.parametrize("schedule", DETERMINISTIC)
