@@ -12,8 +12,9 @@ turns for ``--rounds`` rounds, and the median round is reported. Methods:
 - ``dash``: ``dash_inductor.attention``, determinism on;
 - ``floor``: a ``torch.autograd.Function`` that allocates what dash's returns and gradients
   need and launches nothing: what a Python autograd function costs alone;
-- ``dash_triton_launcher`` (CUDA): ``dash`` with its kernels launched by Triton's launcher
-  instead of the CUDA driver calls of ``ops/shared/driver.py``;
+- ``dash_python`` (CUDA): ``dash`` without the C++ replayer (``ops/shared/native.cpp``): its
+  Python autograd function and launches; ``dash_triton_launcher``: the same with the kernels
+  launched by Triton's launcher instead of the CUDA driver calls of ``ops/shared/driver.py``;
 - the same three through ``torch.compile`` (``compiled_*``: the determinism-on one is rewritten
   into ``dash.attention``);
 - packed documents (4 of random length, 8192 tokens): ``varlen_attn`` determinism on, against
@@ -54,17 +55,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _launcher(name: str | None) -> Call:
-    """A setup that makes dash launch through ``name`` (None: the launcher in force now),
-    planning anew where that changes it."""
+def _launcher(name: str | None, replay: bool = True) -> Call:
+    """A setup that makes dash launch through ``name`` (None: the launcher in force now), from
+    the C++ replayer or not, planning anew where that changes either."""
     from dash_inductor.ops import cache_clear
-    from dash_inductor.ops.shared import launch
+    from dash_inductor.ops.shared import launch, native
 
     wanted = name or launch.LAUNCHER
+    replay = replay and native.ENABLED
 
     def setup() -> None:
-        if launch.LAUNCHER != wanted:
-            launch.LAUNCHER = wanted
+        if replay:
+            native.load(wait=True)
+        if launch.LAUNCHER != wanted or native.ENABLED != replay:
+            launch.LAUNCHER, native.ENABLED = wanted, replay
             cache_clear()
     return setup
 
@@ -106,8 +110,9 @@ def _dense_methods(device: str, compile_too: bool) -> dict[str, tuple[bool, Call
                "floor": (True, eager(floor), None),
                "dash": (True, eager(dash_inductor.attention), dash)}
     if device == "cuda":
+        methods["dash_python"] = (True, eager(dash_inductor.attention), _launcher(None, False))
         methods["dash_triton_launcher"] = (True, eager(dash_inductor.attention),
-                                           _launcher("triton"))
+                                           _launcher("triton", False))
     if compile_too:
         for name, det in (("sdpa_off", False), ("sdpa_on", True), ("dash", True)):
             def sdpa(q, k, v):

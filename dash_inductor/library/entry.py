@@ -3,8 +3,8 @@
 A call on plain 4-D CUDA tensors without a mask, outside tracing, dispatch modes and functorch
 transforms, runs the op's launches through a ``torch.autograd.Function`` instead of the custom-op
 layers, whose Python took most of a small call's host time; a repeated signature reuses its plans
-(``signatures.py``). Everything else goes through ``dash::attention``. Both run the same plans,
-so the bits are the same.
+(``signatures.py``), and once recorded runs forward and backward in the C++ replayer. Everything
+else goes through ``dash::attention``. All run the same plans, so the bits are the same.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dash_inductor.library.op import (_backward, _forward, _grads_to_inputs, att
                                       check_schedule_allowed, op_options, record)
 from dash_inductor.library.shapes import canonicalize, check_not_nested, check_sdpa_flags, unfilled
 from dash_inductor.library.window import NO_WINDOW, check_window
+from dash_inductor.ops.shared import native
+from dash_inductor.ops.shared.errors import watch_spin_flag
 
 
 def _first_call(q: Tensor, k: Tensor, v: Tensor, flags: tuple, choices: tuple,
@@ -36,18 +38,47 @@ def _first_call(q: Tensor, k: Tensor, v: Tensor, flags: tuple, choices: tuple,
     return out, lse, signature
 
 
+def _grads(signature: signatures.Signature | None, flags: tuple, choices: tuple,
+           grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+           lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The eager backward (``_EagerAttention``'s, and the replayer's for a layout it has no
+    program of yet)."""
+    schedule, max_spin, cpu_backend, kernel_path = choices
+    is_causal, scale, enable_gqa, window = flags
+    if torch.is_grad_enabled():  # create_graph: the op's backward refuses a second derivative
+        return attention_backward_op(
+            grad_out, q, k, v, out, lse, None, is_causal, scale, enable_gqa,
+            window_size=list(window), schedule=schedule, max_spin=max_spin,
+            cpu_backend=cpu_backend, kernel_path=kernel_path)
+    with unfilled():
+        if signature is None:
+            c = canonicalize(q, k, v, None, is_causal, scale, enable_gqa, window)
+            return _grads_to_inputs(c, _backward(c, grad_out, out, lse, schedule, max_spin,
+                                                 cpu_backend, kernel_path), q, k, v)
+        grads, plan = signature.backward_recorded(grad_out, q, k, v, out, lse, schedule,
+                                                  max_spin, kernel_path)
+    record(plan)
+    return grads
+
+
+def _replayed_grads(handle: int, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                    out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    signature = signatures.by_handle(handle)
+    return _grads(signature, *signature.call, grad_out, q, k, v, out, lse)
+
+
 class _EagerAttention(torch.autograd.Function):
     """The eager fast path: the ops' forward and backward kernels, called directly."""
 
     @staticmethod
-    def forward(ctx, q, k, v, flags: tuple, choices: tuple):
-        key = signatures.key(q, k, v, flags, choices)
+    def forward(ctx, q, k, v, flags: tuple, choices: tuple, key: tuple):
         signature = signatures.lookup(key)
         with unfilled():
             if signature is None:
                 out, lse, signature = _first_call(q, k, v, flags, choices, key)
             else:
-                out, lse, plan = signature.forward(q, k, v, choices[3])
+                out, lse, plan = signature.forward_recorded(q, k, v, choices[3], (flags, choices),
+                                                            _replayed_grads)
                 record(plan)
         # The logsumexp is saved, not returned: a second output costs autograd more host time
         # than the rest of the call's bookkeeping. No tensor in the context either, so that
@@ -58,26 +89,16 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        schedule, max_spin, cpu_backend, kernel_path = ctx.choices
-        is_causal, scale, enable_gqa, window = ctx.flags
-        if torch.is_grad_enabled():  # create_graph: the op's backward refuses a second derivative
-            grads = attention_backward_op(
-                grad_out, q, k, v, out, lse, None, is_causal, scale, enable_gqa,
-                window_size=list(window), schedule=schedule, max_spin=max_spin,
-                cpu_backend=cpu_backend, kernel_path=kernel_path)
-            return (*grads, None, None)
-        signature = ctx.signature
-        with unfilled():
-            if signature is None:
-                c = canonicalize(q, k, v, None, is_causal, scale, enable_gqa, window)
-                grads = _grads_to_inputs(c, _backward(c, grad_out, out, lse, schedule, max_spin,
-                                                      cpu_backend, kernel_path), q, k, v)
-            else:
-                grads, plan = signature.backward(grad_out, q, k, v, out, lse, schedule, max_spin,
-                                                 kernel_path)
-                record(plan)
-        return (*grads, None, None)
+        return (*_grads(ctx.signature, ctx.flags, ctx.choices, grad_out, *ctx.saved_tensors),
+                None, None, None)
+
+
+def _replay(signature: signatures.Signature, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """A recorded signature's call: forward and backward in the C++ replayer."""
+    record(signature.forward_plan)
+    if signature.watch is not None:  # the backward's bounded waits, watched at the forward
+        watch_spin_flag(*signature.watch)
+    return native.loaded().attention(q, k, v, signature.handle)
 
 
 def _eager_cuda(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> bool:
@@ -117,7 +138,11 @@ def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | Non
                             dropout_rng(query), scale=scale, enable_gqa=enable_gqa,
                             **op_options(choices, window))[0]
     if _eager_cuda(query, key, value, attn_mask):
-        flags = (is_causal, scale, enable_gqa, window)
-        return _EagerAttention.apply(query, key, value, flags, tuple(choices.values()))
+        flags, chosen = (is_causal, scale, enable_gqa, window), tuple(choices.values())
+        signature_key = signatures.key(query, key, value, flags, chosen)
+        signature = signatures.lookup(signature_key)
+        if signature is not None and signature.handle is not None and signature.handle >= 0:
+            return _replay(signature, query, key, value)
+        return _EagerAttention.apply(query, key, value, flags, chosen, signature_key)
     return attention_op(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
                         enable_gqa=enable_gqa, **op_options(choices, window))[0]

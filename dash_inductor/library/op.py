@@ -39,6 +39,7 @@ from dash_inductor.library import reference
 from dash_inductor.library.dropout import check_p, check_state
 from dash_inductor.ops import catalog
 from dash_inductor.ops.plan import Plan
+from dash_inductor.ops.shared import native
 from dash_inductor.library import signatures
 from dash_inductor.library.shapes import Canonical, canonicalize, empty_like_layout, unfilled
 from dash_inductor.library.signatures import uses_triton
@@ -47,19 +48,26 @@ from dash_inductor.library.window import NO_WINDOW
 if TYPE_CHECKING:
     from dash_inductor.ops.shared.dropout import Dropout
 
-#: The latest launches' plans, newest last (host-side values only: recording never syncs).
-_PLANS: collections.deque[Plan] = collections.deque(maxlen=16)
+#: The latest launches' plans, newest last, numbered in the sequence they share with the C++
+#: replayer's backward launches (host-side values only: recording never syncs).
+_PLANS: collections.deque[tuple[int, Plan]] = collections.deque(maxlen=16)
 _REFERENCE_FORWARD = Plan("forward", "reference", None, None, None, None, ())
 
 
 def record(plan: Plan) -> None:
     """Keep ``plan`` as the latest launch (host-side values only: never syncs)."""
-    _PLANS.append(plan)
+    _PLANS.append((native.next_number(), plan))
 
 
 def last_plans() -> list[Plan]:
     """What the latest forward and backward launches ran (schedule, kernel path, fallback, grid)."""
-    return list(_PLANS)
+    entries = list(_PLANS)
+    module = native.loaded()
+    if module is not None:  # the backwards that the replayer ran, by its journal
+        entries += [(number, signatures.by_handle(handle).native_plans[index])
+                    for number, handle, index in module.journal()]
+        entries = sorted(entries, key=lambda entry: entry[0])[-_PLANS.maxlen:]
+    return [plan for _, plan in entries]
 
 
 def check_schedule_allowed(schedule: str) -> None:
@@ -108,7 +116,7 @@ def _forward(c: Canonical, cpu_backend: str, kernel_path: str,
     elif uses_triton(c.q, cpu_backend):
         from dash_inductor.ops import dispatch
 
-        _PLANS.append(dispatch.attention_forward(c.q, c.k, c.v, c.mask, out, lse,
+        record(dispatch.attention_forward(c.q, c.k, c.v, c.mask, out, lse,
                                                  is_causal=c.is_causal, scale=c.scale,
                                                  kernel=kernel_path, window=c.window,
                                                  dropout=dropout))
@@ -117,7 +125,7 @@ def _forward(c: Canonical, cpu_backend: str, kernel_path: str,
                                                        c.window, dropout)
         out.copy_(ref_out)
         lse.copy_(ref_lse)
-        _PLANS.append(_REFERENCE_FORWARD)
+        record(_REFERENCE_FORWARD)
     return out, lse
 
 
@@ -132,7 +140,7 @@ def _backward(c: Canonical, do4: Tensor, out4: Tensor, lse4: Tensor, schedule: s
     elif uses_triton(c.q, cpu_backend):
         from dash_inductor.ops import dispatch
 
-        _PLANS.append(dispatch.attention_backward(
+        record(dispatch.attention_backward(
             do4, c.q, c.k, c.v, out4, lse4, c.mask, *grads, is_causal=c.is_causal, scale=c.scale,
             schedule=schedule, max_spin=max_spin, kernel=kernel_path, window=c.window,
             dropout=dropout))
@@ -141,7 +149,7 @@ def _backward(c: Canonical, do4: Tensor, out4: Tensor, lse4: Tensor, schedule: s
                                                             c.is_causal, c.scale, c.window,
                                                             dropout)):
             g.copy_(r)
-        _PLANS.append(Plan("backward", "reference", None, schedule, None, None, ()))
+        record(Plan("backward", "reference", None, schedule, None, None, ()))
     return grads
 
 

@@ -7,9 +7,15 @@ dispatcher's plans by the caller's q, k, v, flags and choices instead, and knows
 the outputs, so a repeated call allocates and launches without validating or planning again.
 Both public entries use it: the eager ``autograd.Function`` and the op's kernels. The dispatcher
 (Triton and the kernels) is imported by a signature's first launch, not with the package.
+
+On CUDA a signature's calls are also recorded, once their plans exist, as programs that the C++
+replayer runs (``ops/shared/tape.py``, ``native.cpp``): the eager entry then calls it directly,
+forward and backward, with no Python between the launches.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -35,11 +41,17 @@ class Signature:
     and which inputs ``torch.empty_like`` reproduces (dense ones): their outputs and gradients are
     allocated that way, the cheapest allocation there is, at the first call as at every other."""
 
-    __slots__ = ("form", "forward_plan", "backward_plans", "dense")
+    __slots__ = ("form", "forward_plan", "backward_plans", "dense", "handle", "recorded",
+                 "native_plans", "watch", "call")
 
     def __init__(self, c: Canonical) -> None:
         self.form, self.forward_plan, self.backward_plans = c.form(), None, {}
         self.dense = tuple(torch.empty_like(t).stride() == t.stride() for t in (c.q, c.k, c.v))
+        #: The replayer's handle (None: not recorded yet; -1: cannot be), the backward layouts
+        #: recorded, their plans by the replayer's index, the spin-flag watch of an ordered one,
+        #: and the call's (flags, choices).
+        self.handle, self.recorded, self.native_plans = None, set(), []
+        self.watch, self.call = None, None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kernel: str
                 ) -> tuple[Tensor, Tensor, Plan]:
@@ -64,8 +76,7 @@ class Signature:
                  ) -> tuple[tuple[Tensor, Tensor, Tensor], Plan]:
         """(dq, dk, dv laid out as q, k, v; the plan that ran)."""
         form = self.form
-        layout = (grad_out.stride(), grad_out.data_ptr() % 16, grad_out.dtype, out.stride(),
-                  out.data_ptr() % 16, lse.stride(), torch.backends.cuda.matmul.allow_tf32)
+        layout = self.layout(grad_out, out, lse)
         plan = self.backward_plans.get(layout)
         dq, dk, dv = (torch.empty_like(t) if dense else empty_like_layout(t, tuple(t.shape))
                       for t, dense in zip((q, k, v), self.dense))
@@ -80,8 +91,80 @@ class Signature:
             plan.run(plan, grad_out, q, k, v, out, lse, None, dq, dk, dv, form.scale, max_spin)
         return (dq, dk, dv), plan
 
+    @staticmethod
+    def layout(grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple:
+        """What a backward's plan depends on beyond the signature."""
+        return (grad_out.stride(), grad_out.data_ptr() % 16, grad_out.dtype, out.stride(),
+                out.data_ptr() % 16, lse.stride(), torch.backends.cuda.matmul.allow_tf32)
+
+    def forward_recorded(self, q: Tensor, k: Tensor, v: Tensor, kernel: str, call: tuple,
+                         fallback: Callable) -> tuple[Tensor, Tensor, Plan]:
+        """:meth:`forward`, recorded for the replayer when it is loaded and the plan exists;
+        ``call`` the (flags, choices) that ``fallback``, the backward of a layout without a
+        program, needs."""
+        module = _replayer(q) if self.handle is None and self.forward_plan is not None else None
+        if module is None:
+            return self.forward(q, k, v, kernel)
+        from dash_inductor.ops.shared import tape
+
+        ran = []
+
+        def run() -> list[Tensor]:
+            ran[:] = self.forward(q, k, v, kernel)
+            return ran[:2]
+
+        (out, lse), program = tape.record(run, (q, k, v))
+        if program is None:
+            self.handle = -1
+        else:
+            module.set_fallback(fallback)
+            self.handle, self.call = module.new_signature(module.Program(*program)), call
+            _BY_HANDLE[self.handle] = self
+        return out, lse, ran[2]
+
+    def backward_recorded(self, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                          lse: Tensor, schedule: str, max_spin: int, kernel: str
+                          ) -> tuple[tuple[Tensor, Tensor, Tensor], Plan]:
+        """:meth:`backward`, recorded for the replayer under this signature's handle when the
+        plan of the gradient's layout exists and was not recorded yet."""
+        layout = self.layout(grad_out, out, lse)
+        if (self.handle is None or self.handle < 0 or layout in self.recorded
+                or layout not in self.backward_plans):
+            return self.backward(grad_out, q, k, v, out, lse, schedule, max_spin, kernel)
+        from dash_inductor.ops.shared import errors, native, tape
+
+        ran = []
+
+        def run() -> tuple[Tensor, Tensor, Tensor]:
+            ran[:] = self.backward(grad_out, q, k, v, out, lse, schedule, max_spin, kernel)
+            return ran[0]
+
+        module = native.load()
+        grads, program = tape.record(run, (grad_out, q, k, v, out, lse))
+        self.recorded.add(layout)
+        plan = ran[1]
+        if program is not None:
+            module.add_backward(self.handle, module.layout_key(grad_out, out, lse),
+                                module.Program(*program))
+            self.native_plans.append(plan)
+            if plan.schedule is not None and plan.schedule.ordered:
+                self.watch = (errors.spin_flag(q.device), plan)
+        return tuple(grads), plan
+
+
+def _replayer(t: Tensor):
+    """The C++ replayer where it may run ``t``'s calls (CUDA, loaded), else None."""
+    if not t.is_cuda:
+        return None
+    from dash_inductor.ops.shared import native
+
+    return native.load()
+
 
 _SIGNATURES: dict[tuple, Signature] = {}
+#: Recorded signatures by the replayer's handle (kept with the replayer's own table: a graph
+#: built before a ``clear`` may still run a backward under an old handle).
+_BY_HANDLE: dict[int, Signature] = {}
 
 
 def key(q: Tensor, k: Tensor, v: Tensor, flags: tuple, choices: tuple) -> tuple:
@@ -111,6 +194,10 @@ def remember(signature_key: tuple, c: Canonical, q: Tensor, k: Tensor, v: Tensor
         _SIGNATURES.clear()
     signature = _SIGNATURES[signature_key] = Signature(c)
     return signature
+
+
+def by_handle(handle: int) -> Signature:
+    return _BY_HANDLE[handle]
 
 
 def clear() -> None:

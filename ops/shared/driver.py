@@ -34,7 +34,9 @@ _L2_PROMOTION_128B = 2
 _OOB_NONE, _OOB_NAN = 0, 1
 _INVALID_VALUE = 1  #: CUDA_ERROR_INVALID_VALUE: cuFuncGetParamInfo past the last parameter
 _DESCRIPTORS_KEPT = 4096  #: encodings kept per descriptor parameter of a bound launch
-_POINTER, _VALUE = "pointer", "value"  #: how a bound launch reads an argument (else: encodings)
+POINTER, VALUE = "pointer", "value"  #: how a bound launch reads an argument (else: encodings)
+#: The tape recording launches now (``tape.py``), or None: every bound launch reports to it.
+TAPE: list = [None]
 
 _cuda: ctypes.CDLL | None = None
 
@@ -93,7 +95,7 @@ def _param_sizes(function: int) -> list[int] | None:
         sizes.append(size.value)
 
 
-class _Encodings:
+class Encodings:
     """The TMA maps of one descriptor parameter, by descriptor object (a plan's descriptors are
     cached by address: ``ops/hopper/launch.py``), each as the parameter values it expands to."""
 
@@ -112,21 +114,26 @@ class _Encodings:
             entry = self.kept[id(desc)] = (desc, (self._encode(desc), *desc.shape, *desc.strides))
         return entry[1]
 
-    def _encode(self, desc) -> bytes:
-        """Triton's encoding of a tiled descriptor: dims innermost first, byte strides, unit
-        element strides, 128-byte L2 promotion, NaN fill only where the descriptor asks."""
-        meta, rank = self.meta, len(desc.shape)
-        elem_size = meta["elem_size"]
+    def tiled(self, desc) -> tuple:
+        """Triton's encoding of a tiled descriptor, as ``cuTensorMapEncodeTiled``'s arguments
+        (element type, base address, dims innermost first, byte strides, box, swizzle, fill):
+        unit element strides and 128-byte L2 promotion go without saying."""
+        meta, elem_size = self.meta, self.meta["elem_size"]
         elem_type = _HOST_TYPE.get(meta["elem_type"], meta["elem_type"])
         if getattr(desc, "round_f32_to_tf32", False):
             elem_type = _TF32
-        dims = (ctypes.c_uint64 * rank)(*reversed(desc.shape))
-        strides = (ctypes.c_uint64 * rank)(*(elem_size * s for s in reversed(desc.strides[:-1])))
-        box = (ctypes.c_uint32 * rank)(*reversed(meta["block_size"]))
-        unit = (ctypes.c_uint32 * rank)(*([1] * rank))
+        return (elem_type, desc.base.data_ptr(), tuple(reversed(desc.shape)),
+                tuple(elem_size * s for s in reversed(desc.strides[:-1])),
+                tuple(reversed(meta["block_size"])), meta["swizzle"],
+                _OOB_NAN if desc.padding == "nan" else _OOB_NONE)
+
+    def _encode(self, desc) -> bytes:
+        elem_type, base, dims, strides, box, swizzle, fill = self.tiled(desc)
+        rank = len(dims)
         _check(_driver().cuTensorMapEncodeTiled(
-            self.aligned, elem_type, rank, desc.base.data_ptr(), dims, strides, box, unit, 0,
-            meta["swizzle"], _L2_PROMOTION_128B, _OOB_NAN if desc.padding == "nan" else _OOB_NONE),
+            self.aligned, elem_type, rank, base, (ctypes.c_uint64 * rank)(*dims),
+            (ctypes.c_uint64 * rank)(*strides), (ctypes.c_uint32 * rank)(*box),
+            (ctypes.c_uint32 * rank)(*([1] * rank)), 0, swizzle, _L2_PROMOTION_128B, fill),
             "cuTensorMapEncodeTiled")
         return ctypes.string_at(self.aligned, _MAP_BYTES)
 
@@ -156,29 +163,31 @@ def bind(compiled, nargs: int) -> Callable[[tuple, tuple], None] | None:
     if len(kinds) < nargs or any(k != "constexpr" for k in kinds[nargs:]):
         return None
     metas = list(getattr(metadata, "tensordesc_meta", None) or [])
-    fmt, sizes, offset, offsets, steps = [], [], 0, [], []
+    fmt, sizes, offset, offsets, steps, arg_offsets = [], [], 0, [], [], []
     for kind in kinds[:nargs]:
         if not isinstance(kind, str):
             return None
         if kind == "constexpr":
             steps.append(None)
+            arg_offsets.append(None)
             continue
         if kind.startswith("tensordesc"):
             if not metas or metas[0].get("fp4_padded") or metas[0].get("is_im2col"):
                 return None
             rank = _rank(kind)
-            steps.append(_Encodings(metas.pop(0)))
+            steps.append(Encodings(metas.pop(0)))
             params = [("128s", _MAP_BYTES, _MAP_ALIGN), *[("i", 4, 4)] * rank,
                       *[("q", 8, 8)] * rank]
         elif kind.startswith("*"):
-            steps.append(_POINTER)
+            steps.append(POINTER)
             params = [("Q", 8, 8)]
         elif kind in _CODES:
-            steps.append(_VALUE)
+            steps.append(VALUE)
             code = _CODES[kind]
             params = [(code, struct.calcsize(code), struct.calcsize(code))]
         else:
             return None
+        arg_offsets.append(offset + -offset % params[0][2])
         for code, size, align in params:
             pad = -offset % align
             fmt.append("x" * pad + code)
@@ -190,7 +199,7 @@ def bind(compiled, nargs: int) -> Callable[[tuple, tuple], None] | None:
     driver_sizes = _param_sizes(compiled.function)
     if driver_sizes is None or driver_sizes != sizes + [8, 8]:
         return None
-    return _launcher(compiled, tuple(steps), fmt, offsets, len(sizes))
+    return _launcher(compiled, tuple(steps), fmt, offsets, len(sizes), tuple(arg_offsets))
 
 
 #: The head of a launch's block: CUlaunchConfig (grid, block, shared bytes, stream, attributes,
@@ -200,8 +209,32 @@ _ATTRIBUTE = "i4xi60x"
 _COOPERATIVE = 2  #: CU_LAUNCH_ATTRIBUTE_COOPERATIVE
 
 
-def _launcher(compiled, steps: tuple, fmt: list[str], offsets: list[int], count: int
-              ) -> Callable[[tuple, tuple], None]:
+class Bound:
+    """What a tape (``tape.py``) records of a bound launch besides its arguments: the kernel, its
+    launch config, how each argument is read and where its parameters start in the block."""
+
+    __slots__ = ("function", "threads", "shared", "cooperative", "steps", "arg_offsets",
+                 "param_offsets", "span")
+
+    def __init__(self, compiled, steps: tuple, arg_offsets: tuple, offsets: list[int],
+                 span: tuple[int, int]) -> None:
+        metadata = compiled.metadata
+        self.function, self.steps, self.arg_offsets = compiled.function, steps, arg_offsets
+        self.threads, self.shared = 32 * metadata.num_warps, metadata.shared
+        self.cooperative = bool(metadata.launch_cooperative_grid)
+        self.span = span  # the parameters' bytes in the launch's block
+        length = span[1] - span[0]
+        null = length + -length % 8
+        self.param_offsets = (*offsets, null, null)  # the scratch pointers: one zeroed word
+
+    def report(self, grid: tuple, args: tuple, view) -> None:
+        start, end = self.span
+        TAPE[0].launch(self, grid, args, bytes(view[start:end]).ljust(self.param_offsets[-1] + 8,
+                                                                       b"\0"))
+
+
+def _launcher(compiled, steps: tuple, fmt: list[str], offsets: list[int], count: int,
+              arg_offsets: tuple) -> Callable[[tuple, tuple], None]:
     """One block holds the config, its attribute and the parameters, so that a launch is one
     ``pack_into`` of this call's values and one ``cuLaunchKernelEx``, under a lock: the driver
     reads the block with the GIL released, and another thread must not refill it meanwhile. The
@@ -220,9 +253,9 @@ def _launcher(compiled, steps: tuple, fmt: list[str], offsets: list[int], count:
     fixed = (32 * metadata.num_warps, 1, 1, metadata.shared)
     terms = []
     for i, step in enumerate(steps):
-        if step is _VALUE:
+        if step is VALUE:
             terms.append(f"a{i}")
-        elif step is _POINTER:
+        elif step is POINTER:
             terms.append(f"a{i}.data_ptr()")
         elif step is not None:
             terms.append(f"*s{i}.values(a{i})")
@@ -235,16 +268,19 @@ def _launcher(compiled, steps: tuple, fmt: list[str], offsets: list[int], count:
               f"    with lock:\n"
               f"        pack(view, 0, x, y, z, *fixed, stream(device()), attribute, cooperative,\n"
               f"             _COOPERATIVE, 1, {', '.join(terms)})\n"
+              f"        if TAPE[0] is not None:\n"
+              f"            bound.report((x, y, z), args, view)\n"
               f"        status = launch(config, function, params, None)\n"
               f"    if status:\n"
               f"        _check(status, 'a kernel launch')\n")
-    scope = {f"s{i}": step for i, step in enumerate(steps) if isinstance(step, _Encodings)}
+    scope = {f"s{i}": step for i, step in enumerate(steps) if isinstance(step, Encodings)}
     scope.update(pack=layout.pack_into, view=view, fixed=fixed, attribute=attribute,
                  cooperative=cooperative, _COOPERATIVE=_COOPERATIVE, _check=_check,
                  stream=torch._C._cuda_getCurrentRawStream, device=torch._C._cuda_getDevice,
                  launch=_driver().cuLaunchKernelEx, config=ctypes.c_void_p(base),
                  function=ctypes.c_void_p(compiled.function), params=params, block=block,
-                 lock=threading.Lock())
+                 lock=threading.Lock(), TAPE=TAPE,
+                 bound=Bound(compiled, steps, arg_offsets, offsets, (params_at, layout.size)))
     name = getattr(compiled, "name", "a kernel")
     exec(compile(source, f"<dash launch of {name}>", "exec"), scope)
     return scope["run"]

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..plan import Plan
+from . import tape
 
 #: Watched launches between two looks at a device's spin flag: a copy and an event cost about as
 #: much host time as a launch, and a failed wait is a bug report, not control flow.
@@ -108,6 +109,7 @@ def spin_flag(device: torch.device) -> torch.Tensor:
         if torch.cuda.is_current_stream_capturing():  # would live in the graph's memory pool
             return torch.zeros((1,), device=device, dtype=torch.int32)
         state = _SPIN[index] = _SpinFlag(device)
+        tape.persistent(state.flag)
     return state.flag
 
 
@@ -125,6 +127,11 @@ def watch_spin_flag(flag: torch.Tensor, plan: Plan) -> None:
     earlier launches' flags as they land."""
     if torch.cuda.is_current_stream_capturing():
         return
+    with tape.outside():
+        _watch(flag, plan)
+
+
+def _watch(flag: torch.Tensor, plan: Plan) -> None:
     check_spin_flags()
     state = _SPIN.get(flag.device.index)
     if state is None or state.flag is not flag:  # a capture-time flag: nothing to watch

@@ -183,6 +183,8 @@ def _bind(kernel, args: tuple, constexprs: dict) -> Callable[[tuple, tuple], Non
         if direct is not None and enter is None and leave is None:
             direct(grid, args)
             return
+        if driver.TAPE[0] is not None:
+            driver.TAPE[0].fail("a launch through Triton's launcher")
         stream = raw_stream(device())
         info = None
         if enter is not None or leave is not None:

@@ -1,0 +1,406 @@
+// Replays a plan's recorded launch program (``tape.py``) from C++: ATen calls through the
+// dispatcher and kernel launches through the CUDA driver, and an autograd function whose forward
+// and backward are such programs. A repeated eager call then costs what a PyTorch op costs on the
+// host: no Python frame in its backward, none in its launches.
+
+#include <torch/extension.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <ATen/ScalarOps.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <dlfcn.h>
+
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+// ---- the CUDA driver, loaded on first use (dlopen: this file builds without CUDA headers) ----
+
+using Launch = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                       unsigned, void*, void**, void**);
+using CooperativeLaunch = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                  unsigned, unsigned, void*, void**);
+using Encode = int (*)(void*, int, unsigned, void*, const uint64_t*, const uint64_t*,
+                       const uint32_t*, const uint32_t*, int, int, int, int);
+using ErrorString = int (*)(int, const char**);
+
+struct Driver {
+  Launch launch;
+  CooperativeLaunch cooperative;
+  Encode encode;
+  ErrorString error;
+};
+
+const Driver& driver() {
+  static const Driver loaded = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    TORCH_CHECK(lib != nullptr, "dash attention: libcuda.so.1 did not load");
+    auto symbol = [lib](const char* name) {
+      void* found = dlsym(lib, name);
+      TORCH_CHECK(found != nullptr, "dash attention: libcuda has no ", name);
+      return found;
+    };
+    return Driver{reinterpret_cast<Launch>(symbol("cuLaunchKernel")),
+                  reinterpret_cast<CooperativeLaunch>(symbol("cuLaunchCooperativeKernel")),
+                  reinterpret_cast<Encode>(symbol("cuTensorMapEncodeTiled")),
+                  reinterpret_cast<ErrorString>(symbol("cuGetErrorString"))};
+  }();
+  return loaded;
+}
+
+void check(int status, const char* what) {
+  if (status == 0) return;
+  const char* text = nullptr;
+  driver().error(status, &text);
+  TORCH_CHECK(false, "dash attention: ", what, " failed: CUDA ", text ? text : "error ", status);
+}
+
+// ---- a program: slots of tensors, filled by the inputs, then by each ATen call's results ----
+
+constexpr size_t kMapBytes = 128;  // a CUtensorMap: 128 opaque bytes, 64-byte aligned
+
+struct Pointer {  // a parameter that holds a slot's address plus a byte offset
+  int64_t at, slot, offset;
+};
+
+struct TensorMap {  // a TMA descriptor over a slot: cuTensorMapEncodeTiled's arguments
+  int64_t at, slot, offset;
+  int elem_type, rank, swizzle, fill;
+  std::array<uint64_t, 5> dims;
+  std::array<uint64_t, 5> strides;
+  std::array<uint32_t, 5> box;
+  uint64_t encoded_base = 0;  // the base address ``encoded`` was made for (0: none yet)
+  alignas(64) std::array<uint8_t, kMapBytes> encoded;
+};
+
+struct KernelLaunch {
+  void* function;
+  std::array<unsigned, 3> grid;
+  unsigned threads, shared;
+  bool cooperative;
+  std::vector<uint8_t> params;  // the parameter block as recorded, maps at 64-byte offsets
+  std::vector<int64_t> offsets;  // each parameter's offset in it
+  std::vector<Pointer> pointers;
+  std::vector<TensorMap> maps;
+};
+
+struct Argument {  // an ATen argument: a slot (slot >= 0) or a constant
+  int64_t slot;
+  c10::IValue constant;
+};
+
+struct AtenCall {
+  c10::OperatorHandle op;
+  std::vector<Argument> arguments;
+};
+
+struct Step {
+  std::unique_ptr<AtenCall> aten;
+  std::unique_ptr<KernelLaunch> launch;
+};
+
+class FillGuard {  // allocations are written before they are read: no NaN fill
+ public:
+  FillGuard() : was_(at::globalContext().deterministicFillUninitializedMemory()) {
+    at::globalContext().setDeterministicFillUninitializedMemory(false);
+  }
+  ~FillGuard() { at::globalContext().setDeterministicFillUninitializedMemory(was_); }
+
+ private:
+  bool was_;
+};
+
+class Program {
+ public:
+  Program(int64_t inputs, const py::list& steps, std::vector<int64_t> outputs,
+          std::vector<Tensor> kept)
+      : inputs_(inputs), outputs_(std::move(outputs)), kept_(std::move(kept)) {
+    for (const auto& step : steps) {
+      auto fields = step.cast<py::tuple>();
+      Step made;
+      if (fields[0].cast<std::string>() == "aten") {
+        made.aten = aten_call(fields);
+      } else {
+        made.launch = kernel_launch(fields);
+      }
+      steps_.push_back(std::move(made));
+    }
+  }
+
+  std::vector<Tensor> run(std::vector<Tensor> slots) {
+    TORCH_CHECK(static_cast<int64_t>(slots.size()) == inputs_, "dash attention: a program of ",
+                inputs_, " inputs called with ", slots.size());
+    FillGuard fill;
+    std::lock_guard<std::mutex> lock(mutex_);  // the maps' encodings are shared state
+    for (auto& step : steps_) {
+      if (step.aten) {
+        call(*step.aten, slots);
+      } else {
+        launch(*step.launch, slots);
+      }
+    }
+    std::vector<Tensor> results;
+    results.reserve(outputs_.size());
+    for (int64_t slot : outputs_) results.push_back(slots[slot]);
+    return results;
+  }
+
+ private:
+  static std::unique_ptr<AtenCall> aten_call(const py::tuple& fields) {
+    auto name = fields[1].cast<std::string>();
+    auto overload = fields[2].cast<std::string>();
+    auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+    const auto& schema = op.schema().arguments();
+    auto made = std::make_unique<AtenCall>(AtenCall{op, {}});
+    auto arguments = fields[3].cast<py::list>();
+    TORCH_CHECK(arguments.size() == schema.size(), "dash attention: ", name, " takes ",
+                schema.size(), " arguments, recorded ", arguments.size());
+    for (size_t i = 0; i < schema.size(); ++i) {
+      auto pair = arguments[i].cast<py::tuple>();
+      auto slot = pair[0].cast<int64_t>();
+      c10::IValue constant;
+      if (slot < 0) constant = constant_of(pair[1], schema[i].type());
+      made->arguments.push_back(Argument{slot, std::move(constant)});
+    }
+    return made;
+  }
+
+  // A number where the schema wants a Tensor is a wrapped number, as Python's binding makes it.
+  static c10::IValue constant_of(const py::handle& value, const c10::TypePtr& type) {
+    if (type->kind() == c10::TypeKind::TensorType && !value.is_none()) {
+      auto tensor = at::scalar_to_tensor(torch::jit::toIValue(value, c10::NumberType::get()).toScalar());
+      tensor.unsafeGetTensorImpl()->set_wrapped_number(true);
+      return tensor;
+    }
+    return torch::jit::toIValue(value, type);
+  }
+
+  static std::unique_ptr<KernelLaunch> kernel_launch(const py::tuple& fields) {
+    auto made = std::make_unique<KernelLaunch>();
+    made->function = reinterpret_cast<void*>(fields[1].cast<uintptr_t>());
+    auto grid = fields[2].cast<std::vector<unsigned>>();
+    made->grid = {grid[0], grid[1], grid[2]};
+    made->threads = fields[3].cast<unsigned>();
+    made->shared = fields[4].cast<unsigned>();
+    made->cooperative = fields[5].cast<bool>();
+    auto params = fields[6].cast<std::string>();
+    made->params.assign(params.begin(), params.end());
+    made->offsets = fields[7].cast<std::vector<int64_t>>();
+    for (const auto& p : fields[8].cast<py::list>()) {
+      auto t = p.cast<std::vector<int64_t>>();
+      made->pointers.push_back(Pointer{t[0], t[1], t[2]});
+    }
+    for (const auto& m : fields[9].cast<py::list>()) {
+      auto t = m.cast<py::tuple>();
+      TensorMap map{};
+      map.at = t[0].cast<int64_t>();
+      map.slot = t[1].cast<int64_t>();
+      map.offset = t[2].cast<int64_t>();
+      map.elem_type = t[3].cast<int>();
+      map.swizzle = t[4].cast<int>();
+      map.fill = t[5].cast<int>();
+      auto dims = t[6].cast<std::vector<uint64_t>>();
+      auto strides = t[7].cast<std::vector<uint64_t>>();
+      auto box = t[8].cast<std::vector<uint32_t>>();
+      map.rank = static_cast<int>(dims.size());
+      TORCH_CHECK(map.rank >= 1 && map.rank <= 5 && box.size() == dims.size() &&
+                  strides.size() + 1 == dims.size(), "dash attention: a bad recorded TMA map");
+      std::copy(dims.begin(), dims.end(), map.dims.begin());
+      std::copy(strides.begin(), strides.end(), map.strides.begin());
+      std::copy(box.begin(), box.end(), map.box.begin());
+      made->maps.push_back(map);
+    }
+    return made;
+  }
+
+  static void call(const AtenCall& aten, std::vector<Tensor>& slots) {
+    torch::jit::Stack stack;
+    stack.reserve(aten.arguments.size());
+    for (const auto& argument : aten.arguments) {
+      if (argument.slot >= 0) {
+        stack.emplace_back(slots[argument.slot]);
+      } else {
+        stack.push_back(argument.constant);
+      }
+    }
+    aten.op.callBoxed(stack);
+    for (auto& value : stack) {  // the returns, in order: a slot each (the tape checked: Tensors)
+      slots.push_back(std::move(value).toTensor());
+    }
+  }
+
+  static void launch(KernelLaunch& kernel, const std::vector<Tensor>& slots) {
+    const Driver& cuda = driver();
+    // The block as recorded, then this call's addresses and descriptors over it.
+    std::vector<uint8_t> storage(kernel.params.size() + 64);
+    auto* block = reinterpret_cast<uint8_t*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    std::memcpy(block, kernel.params.data(), kernel.params.size());
+    for (const auto& p : kernel.pointers) {
+      uint64_t address = reinterpret_cast<uint64_t>(slots[p.slot].data_ptr()) + p.offset;
+      std::memcpy(block + p.at, &address, sizeof(address));
+    }
+    for (auto& map : kernel.maps) {
+      uint64_t base = reinterpret_cast<uint64_t>(slots[map.slot].data_ptr()) + map.offset;
+      if (base != map.encoded_base) {  // the caching allocator hands most addresses out again
+        std::array<uint32_t, 5> unit{1, 1, 1, 1, 1};
+        check(cuda.encode(map.encoded.data(), map.elem_type, map.rank,
+                          reinterpret_cast<void*>(base), map.dims.data(), map.strides.data(),
+                          map.box.data(), unit.data(), 0, map.swizzle, 2, map.fill),
+              "cuTensorMapEncodeTiled");
+        map.encoded_base = base;
+      }
+      std::memcpy(block + map.at, map.encoded.data(), kMapBytes);
+    }
+    std::vector<void*> params(kernel.offsets.size());
+    for (size_t i = 0; i < params.size(); ++i) params[i] = block + kernel.offsets[i];
+    auto device = slots[0].device();
+    void* stream = c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle();
+    const auto& g = kernel.grid;
+    int status = kernel.cooperative
+        ? cuda.cooperative(kernel.function, g[0], g[1], g[2], kernel.threads, 1, 1, kernel.shared,
+                           stream, params.data())
+        : cuda.launch(kernel.function, g[0], g[1], g[2], kernel.threads, 1, 1, kernel.shared,
+                      stream, params.data(), nullptr);
+    check(status, "a kernel launch");
+  }
+
+  int64_t inputs_;
+  std::vector<Step> steps_;
+  std::vector<int64_t> outputs_;
+  std::vector<Tensor> kept_;  // tensors whose addresses the program holds (the spin flag)
+  std::mutex mutex_;
+};
+
+// ---- signatures: a forward program and backward programs by the gradient's layout ----
+
+std::vector<int64_t> layout_key(const Tensor& grad_out, const Tensor& out, const Tensor& lse) {
+  std::vector<int64_t> key;
+  for (const Tensor* t : {&grad_out, &out, &lse}) {
+    auto strides = t->strides();
+    key.insert(key.end(), strides.begin(), strides.end());
+    key.push_back(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16);
+    key.push_back(static_cast<int64_t>(t->scalar_type()));
+  }
+  key.push_back(at::globalContext().allowTF32CuBLAS() ? 1 : 0);
+  return key;
+}
+
+struct Signature {
+  std::shared_ptr<Program> forward;
+  std::vector<std::pair<std::vector<int64_t>, std::shared_ptr<Program>>> backward;
+  std::mutex mutex;
+
+  std::pair<int64_t, std::shared_ptr<Program>> backward_for(const std::vector<int64_t>& key) {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (size_t i = 0; i < backward.size(); ++i) {
+      if (backward[i].first == key) return {static_cast<int64_t>(i), backward[i].second};
+    }
+    return {-1, nullptr};
+  }
+};
+
+std::mutex table_mutex;
+std::deque<std::shared_ptr<Signature>> table;  // by handle; kept while a graph may hold one
+
+std::shared_ptr<Signature> signature(int64_t handle) {
+  std::lock_guard<std::mutex> lock(table_mutex);
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(table.size()),
+              "dash attention: no native signature ", handle);
+  return table[handle];
+}
+
+// The journal: which programs ran, numbered in one sequence with the host's records, so that
+// ``last_plans()`` keeps the order of forward and backward calls.
+std::atomic<int64_t> sequence{0};
+std::mutex journal_mutex;
+std::deque<std::array<int64_t, 3>> journal;  // (sequence, handle, backward index)
+constexpr size_t kJournal = 16;
+
+void note_backward(int64_t handle, int64_t index) {
+  int64_t number = sequence.fetch_add(1);
+  std::lock_guard<std::mutex> lock(journal_mutex);
+  journal.push_back({number, handle, index});
+  if (journal.size() > kJournal) journal.pop_front();
+}
+
+// Python's backward for a layout (or a graph) with no program yet; never destroyed, so that no
+// Python object dies after the interpreter.
+py::object* fallback = new py::object();
+
+struct Attention : public torch::autograd::Function<Attention> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                        int64_t handle) {
+    auto outputs = signature(handle)->forward->run({q, k, v});
+    ctx->save_for_backward({q, k, v, outputs[0], outputs[1]});
+    ctx->saved_data["handle"] = handle;
+    return outputs[0];
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    int64_t handle = ctx->saved_data["handle"].toInt();
+    const Tensor& grad_out = grads[0];
+    std::pair<int64_t, std::shared_ptr<Program>> found{-1, nullptr};
+    if (!at::GradMode::is_enabled()) {
+      found = signature(handle)->backward_for(layout_key(grad_out, saved[3], saved[4]));
+    }
+    std::vector<Tensor> result;
+    if (found.second) {
+      result = found.second->run({grad_out, saved[0], saved[1], saved[2], saved[3], saved[4]});
+      note_backward(handle, found.first);
+    } else {
+      py::gil_scoped_acquire gil;
+      result = (*fallback)(handle, grad_out, saved[0], saved[1], saved[2], saved[3], saved[4])
+                   .cast<std::vector<Tensor>>();
+    }
+    return {result[0], result[1], result[2], Tensor()};
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Program, std::shared_ptr<Program>>(m, "Program")
+      .def(py::init<int64_t, py::list, std::vector<int64_t>, std::vector<Tensor>>())
+      .def("run", &Program::run, py::call_guard<py::gil_scoped_release>());
+  m.def("new_signature", [](std::shared_ptr<Program> forward) {
+    std::lock_guard<std::mutex> lock(table_mutex);
+    table.push_back(std::make_shared<Signature>());
+    table.back()->forward = std::move(forward);
+    return static_cast<int64_t>(table.size()) - 1;
+  });
+  m.def("add_backward", [](int64_t handle, std::vector<int64_t> key,
+                           std::shared_ptr<Program> program) {
+    auto found = signature(handle);
+    std::lock_guard<std::mutex> lock(found->mutex);
+    found->backward.emplace_back(std::move(key), std::move(program));
+    return static_cast<int64_t>(found->backward.size()) - 1;
+  });
+  m.def("layout_key", &layout_key);
+  m.def("next_sequence", [] { return sequence.fetch_add(1); });
+  m.def("start_sequence", [](int64_t first) { sequence = first; });
+  m.def("journal", [] {
+    std::lock_guard<std::mutex> lock(journal_mutex);
+    return std::vector<std::array<int64_t, 3>>(journal.begin(), journal.end());
+  });
+  m.def("set_fallback", [](py::object callable) { *fallback = std::move(callable); });
+  m.def("attention", [](const Tensor& q, const Tensor& k, const Tensor& v, int64_t handle) {
+    return Attention::apply(q, k, v, handle);
+  }, py::call_guard<py::gil_scoped_release>());
+}

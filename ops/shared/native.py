@@ -1,0 +1,84 @@
+"""The C++ replayer of recorded programs (``native.cpp``), built once per torch version.
+
+PyTorch builds it with the host's C++ compiler on first use (``torch.utils.cpp_extension``,
+cached under ``TORCH_EXTENSIONS_DIR``), in a thread of its own: calls take the Python path until
+it has loaded, then the same programs run from C++, so the bits do not depend on which ran. It
+is off where ``DASH_INDUCTOR_NATIVE=0``, and where it cannot build (no compiler): then a
+warning says why, once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+#: Whether the replayer may take new signatures, from ``DASH_INDUCTOR_NATIVE`` ("1" or "0");
+#: set it and call ``dash_inductor.ops.cache_clear()`` to switch (benchmarks compare both).
+ENABLED = os.environ.get("DASH_INDUCTOR_NATIVE", "1")
+if ENABLED not in ("0", "1"):
+    raise ValueError(f"DASH_INDUCTOR_NATIVE={ENABLED!r}: expected '1' or '0'")
+ENABLED = ENABLED == "1"
+
+_SOURCE = Path(__file__).with_name("native.cpp")
+_module: ModuleType | None = None
+_failed: str | None = None
+_building: threading.Thread | None = None
+_lock = threading.Lock()
+_numbers = itertools.count()  #: the host's numbering of launches until the replayer loads
+
+
+def _build() -> None:
+    global _module, _failed
+    from torch.utils import cpp_extension
+
+    name = "dash_native_" + re.sub(r"\W", "_", torch.__version__)
+    try:
+        module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"],
+                                    verbose=False)
+    except Exception as error:  # a missing compiler or headers: the Python path stays
+        _failed = f"{type(error).__name__}: {error}".splitlines()[0]
+        warnings.warn(f"dash attention: the C++ replayer did not build ({_failed}); calls keep "
+                      f"the Python launch path", RuntimeWarning, stacklevel=2)
+        return
+    module.start_sequence(next(_numbers))
+    _module = module
+
+
+def load(wait: bool = False) -> ModuleType | None:
+    """The replayer, or None while it builds (``wait``: until it has), is off or failed."""
+    global _building
+    if not ENABLED:
+        return None
+    if _module is not None or _failed is not None:
+        return _module
+    with _lock:
+        if _building is None:
+            _building = threading.Thread(target=_build, name="dash-native-build", daemon=True)
+            _building.start()
+    if wait:
+        _building.join()
+    return _module
+
+
+def loaded() -> ModuleType | None:
+    """The replayer if it has loaded (never starts a build)."""
+    return _module
+
+
+def next_number() -> int:
+    """The next number of the sequence that orders the host's and the replayer's launches
+    (``last_plans()``)."""
+    module = _module
+    return module.next_sequence() if module is not None else next(_numbers)
+
+
+def failure() -> str | None:
+    """Why the replayer did not build, or None."""
+    return _failed
