@@ -41,6 +41,7 @@ import outdir  # noqa: E402
 from dash_inductor.demo.cli import (ProgressBar, describe_sites, quiet_cache_key_warnings,  # noqa: E402
                                     recorded_sites)
 from dash_inductor.demo.tiny_gpt import DemoConfig, make_model  # noqa: E402
+from dash_inductor.ops.shared import native  # noqa: E402
 
 #: name -> (deterministic algorithms, dash_inductor.config.rewrite)
 VARIANTS = {
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     from run import environment
 
     dash_inductor.enable()
+    native.load(wait=True)  # time the C++ replayer, not the calls before it has built
     torch.utils.deterministic.fill_uninitialized_memory = not args.no_nan_fill
     env = environment()
     seqs = [int(x) for x in args.seqs.split(",")]

@@ -159,3 +159,43 @@ def test_what_it_cannot_pack_goes_to_triton(fake, change):
         sizes = [8, 8, 8, 8]  # the driver reads a 64-bit N: not the ABI assumed here
     fake(sizes)
     assert driver.bind(compiled, nargs=2) is None
+
+
+def test_a_tape_records_the_block_and_its_patches(fake):
+    """Under a tape (ops/shared/tape.py) a launch reports its packed block, and each address in
+    it as a patch over the call's tensors: pointers at their parameter's offset, descriptors as
+    the encoding's arguments over their base."""
+    import torch
+
+    from dash_inductor.ops.shared import tape
+
+    signature = {"D": "tensordesc<fp32[16, 8]>", "P": "*fp32", "N": "i32"}
+    meta = {"swizzle": 1, "elem_size": 4, "elem_type": 7, "block_size": [16, 8],
+            "fp4_padded": False}
+    fake([128, 4, 4, 8, 8, 8, 4, 8, 8])
+    launch = driver.bind(_compiled(signature, [meta]), nargs=3)
+    x = torch.randn(64, 8)
+
+    def call():
+        out = torch.empty(100)
+        view = out[36:]  # a pointer into the middle of a tensor the call made
+        desc = SimpleNamespace(base=x, shape=[64, 8], strides=[8, 1], padding="zero")
+        launch((3, 2), (desc, view, 77))
+        return [out]
+
+    _, program = tape.record(call, (x,))
+    assert program is not None
+    inputs, steps, outputs, kept = program
+    (kind, function, grid, threads, shared, cooperative, block, offsets, pointers, maps) = steps[-1]
+    assert (kind, function, grid, threads, shared) == ("launch", 1234, (3, 2, 1), 256, 1024)
+    sizes = [128, 4, 4, 8, 8, 8, 4]
+    assert len(offsets) == len(sizes) + 2 and offsets[0] == 0 and offsets[-1] == offsets[-2]
+    assert struct.unpack_from("<i", block, offsets[6])[0] == 77
+    assert struct.unpack_from("<Q", block, offsets[-1])[0] == 0  # the scratch pointers: NULL
+    made = [step[1] for step in steps if step[0] == "aten"]  # one result each, slots from 1
+    assert made[0] == "aten::empty" and made[-1] == "aten::slice"
+    assert pointers == [(offsets[5], inputs + len(made) - 1, 0)]
+    ((at, slot, offset, elem_type, swizzle, fill, dims, strides, box),) = maps
+    assert (at, slot, offset, elem_type, swizzle, fill) == (0, 0, 0, 7, 1, driver._OOB_NONE)
+    assert (dims, strides, box) == ((8, 64), (32,), (8, 16))
+    assert made[outputs[0] - inputs] in ("aten::empty", "aten::detach") and kept == []

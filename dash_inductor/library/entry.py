@@ -29,7 +29,7 @@ def _first_call(q: Tensor, k: Tensor, v: Tensor, flags: tuple, choices: tuple,
     is_causal, scale, enable_gqa, window = flags
     check_schedule_allowed(choices[0])
     c = canonicalize(q, k, v, None, is_causal, scale, enable_gqa, window)
-    signature = signatures.remember(key, c, q, k, v, choices[2])
+    signature = signatures.remember(key, c, q, k, v, (flags, choices))
     if signature is None:
         out, lse = _forward(c, choices[2], choices[3])
         return out, lse, None
@@ -67,6 +67,9 @@ def _replayed_grads(handle: int, grad_out: Tensor, q: Tensor, k: Tensor, v: Tens
     return _grads(signature, *signature.call, grad_out, q, k, v, out, lse)
 
 
+signatures.set_fallback(_replayed_grads)
+
+
 class _EagerAttention(torch.autograd.Function):
     """The eager fast path: the ops' forward and backward kernels, called directly."""
 
@@ -77,8 +80,7 @@ class _EagerAttention(torch.autograd.Function):
             if signature is None:
                 out, lse, signature = _first_call(q, k, v, flags, choices, key)
             else:
-                out, lse, plan = signature.forward_recorded(q, k, v, choices[3], (flags, choices),
-                                                            _replayed_grads)
+                out, lse, plan = signature.forward_recorded(q, k, v, choices[3])
                 record(plan)
         # The logsumexp is saved, not returned: a second output costs autograd more host time
         # than the rest of the call's bookkeeping. No tensor in the context either, so that

@@ -44,14 +44,14 @@ class Signature:
     __slots__ = ("form", "forward_plan", "backward_plans", "dense", "handle", "recorded",
                  "native_plans", "watch", "call")
 
-    def __init__(self, c: Canonical) -> None:
+    def __init__(self, c: Canonical, call: tuple) -> None:
         self.form, self.forward_plan, self.backward_plans = c.form(), None, {}
         self.dense = tuple(torch.empty_like(t).stride() == t.stride() for t in (c.q, c.k, c.v))
         #: The replayer's handle (None: not recorded yet; -1: cannot be), the backward layouts
         #: recorded, their plans by the replayer's index, the spin-flag watch of an ordered one,
         #: and the call's (flags, choices).
         self.handle, self.recorded, self.native_plans = None, set(), []
-        self.watch, self.call = None, None
+        self.watch, self.call = None, call
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kernel: str
                 ) -> tuple[Tensor, Tensor, Plan]:
@@ -97,11 +97,9 @@ class Signature:
         return (grad_out.stride(), grad_out.data_ptr() % 16, grad_out.dtype, out.stride(),
                 out.data_ptr() % 16, lse.stride(), torch.backends.cuda.matmul.allow_tf32)
 
-    def forward_recorded(self, q: Tensor, k: Tensor, v: Tensor, kernel: str, call: tuple,
-                         fallback: Callable) -> tuple[Tensor, Tensor, Plan]:
-        """:meth:`forward`, recorded for the replayer when it is loaded and the plan exists;
-        ``call`` the (flags, choices) that ``fallback``, the backward of a layout without a
-        program, needs."""
+    def forward_recorded(self, q: Tensor, k: Tensor, v: Tensor, kernel: str
+                         ) -> tuple[Tensor, Tensor, Plan]:
+        """:meth:`forward`, recorded for the replayer when it is loaded and the plan exists."""
         module = _replayer(q) if self.handle is None and self.forward_plan is not None else None
         if module is None:
             return self.forward(q, k, v, kernel)
@@ -117,8 +115,8 @@ class Signature:
         if program is None:
             self.handle = -1
         else:
-            module.set_fallback(fallback)
-            self.handle, self.call = module.new_signature(module.Program(*program)), call
+            module.set_fallback(_FALLBACK[0])
+            self.handle = module.new_signature(module.Program(*program))
             _BY_HANDLE[self.handle] = self
         return out, lse, ran[2]
 
@@ -162,6 +160,9 @@ def _replayer(t: Tensor):
 
 
 _SIGNATURES: dict[tuple, Signature] = {}
+#: The replayer's autograd function's backward where it has no program for a gradient's layout
+#: (``entry.py`` sets it): (handle, grad_out, q, k, v, out, lse) -> (dq, dk, dv).
+_FALLBACK: list[Callable | None] = [None]
 #: Recorded signatures by the replayer's handle (kept with the replayer's own table: a graph
 #: built before a ``clear`` may still run a backward under an old handle).
 _BY_HANDLE: dict[int, Signature] = {}
@@ -182,17 +183,23 @@ def lookup(signature_key: tuple) -> Signature | None:
     return _SIGNATURES.get(signature_key)
 
 
+def set_fallback(backward: Callable) -> None:
+    _FALLBACK[0] = backward
+
+
 def remember(signature_key: tuple, c: Canonical, q: Tensor, k: Tensor, v: Tensor,
-             cpu_backend: str) -> Signature | None:
-    """A new signature for a validated call ``c`` of ``q``, ``k``, ``v``, kept when repeats can
-    reuse it: the inputs are the kernels' own 4-D views (no broadcast, no 3-D), not empty, and a
-    Triton path runs them. None otherwise (the caller takes the general path each time)."""
+             call: tuple) -> Signature | None:
+    """A new signature for a validated call ``c`` of ``q``, ``k``, ``v`` with ``call`` =
+    (flags, choices) as :func:`key` took them, kept when repeats can reuse it: the inputs are
+    the kernels' own 4-D views (no broadcast, no 3-D), not empty, and a Triton path runs them.
+    None otherwise (the caller takes the general path each time)."""
+    cpu_backend = call[1][2]
     if not (c.q is q and c.k is k and c.v is v and c.mask is None and q.numel() > 0
             and k.shape[2] > 0 and uses_triton(q, cpu_backend)):
         return None
     if len(_SIGNATURES) >= _MAXSIZE:
         _SIGNATURES.clear()
-    signature = _SIGNATURES[signature_key] = Signature(c)
+    signature = _SIGNATURES[signature_key] = Signature(c, call)
     return signature
 
 

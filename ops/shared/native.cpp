@@ -392,6 +392,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     found->backward.emplace_back(std::move(key), std::move(program));
     return static_cast<int64_t>(found->backward.size()) - 1;
   });
+  m.def("run_forward", [](int64_t handle, const Tensor& q, const Tensor& k, const Tensor& v) {
+    return signature(handle)->forward->run({q, k, v});
+  }, py::call_guard<py::gil_scoped_release>());
+  // (index of the program, dq, dk, dv), or None where no program has the gradient's layout.
+  m.def("run_backward", [](int64_t handle, const Tensor& grad_out, const Tensor& q,
+                           const Tensor& k, const Tensor& v, const Tensor& out,
+                           const Tensor& lse) -> py::object {
+    auto found = signature(handle)->backward_for(layout_key(grad_out, out, lse));
+    if (!found.second) return py::none();
+    std::vector<Tensor> grads;
+    {
+      py::gil_scoped_release release;
+      grads = found.second->run({grad_out, q, k, v, out, lse});
+    }
+    return py::make_tuple(found.first, grads[0], grads[1], grads[2]);
+  });
   m.def("layout_key", &layout_key);
   m.def("next_sequence", [] { return sequence.fetch_add(1); });
   m.def("start_sequence", [](int64_t first) { sequence = first; });

@@ -123,3 +123,29 @@ def test_a_second_derivative_is_refused_as_on_the_python_path(module):
     (grad_q,) = torch.autograd.grad(out, q, inputs[3], create_graph=True)
     with pytest.raises(RuntimeError, match="second|double|twice"):
         grad_q.sum().backward()
+
+
+def test_compiled_calls_replay_the_op_with_the_same_bits(module):
+    """Inductor calls ``dash::attention`` and its backward op, whose kernels replay a recorded
+    signature too (no autograd function of ours there)."""
+    case = CASES[0]
+    inputs = _inputs(*case[:3], seed=4)
+
+    def step(q, k, v):
+        return dash_inductor.attention(q, k, v, is_causal=True)
+
+    compiled = torch.compile(step, dynamic=False)
+
+    def run():
+        q, k, v = (t.clone().requires_grad_() for t in inputs[:3])
+        out = compiled(q, k, v)
+        out.backward(inputs[3])
+        return out.detach(), q.grad, k.grad, v.grad
+
+    first = run()
+    runs = [run() for _ in range(4)]
+    signature = _signature(inputs, case)
+    assert signature is not None and signature.handle >= 0 and signature.native_plans
+    for got in runs:
+        for a, b in zip(first, got):
+            assert torch.equal(a, b)
