@@ -211,7 +211,8 @@ def host(*paths: str) -> str:
     names = [_folder(p)[1] for p in paths]
     methods = [("sdpa_off", "eager SDPA, det. off"), ("sdpa_on", "eager SDPA, det. on"),
                ("floor", "an autograd.Function that only allocates"), ("dash", "eager dash"),
-               ("dash_triton_launcher", "eager dash, Triton's launcher"),
+               ("dash_python", "eager dash, no C++ replayer"),
+               ("dash_triton_launcher", "eager dash, no replayer, Triton's launcher"),
                ("compiled_sdpa_off", "compiled SDPA, det. off"),
                ("compiled_sdpa_on", "compiled SDPA, det. on"), ("compiled_dash", "compiled dash"),
                ("varlen_attn_on", "`varlen_attn`, det. on"), ("varlen_dash", "dash varlen")]
