@@ -20,7 +20,7 @@ from dash_inductor.library.op import (_backward, _forward, _grads_to_inputs, att
 from dash_inductor.library.shapes import canonicalize, check_not_nested, check_sdpa_flags, unfilled
 from dash_inductor.library.window import NO_WINDOW, check_window
 from dash_inductor.ops.shared import native
-from dash_inductor.ops.shared.errors import watch_spin_flag
+from dash_inductor.ops.shared import errors
 
 
 def _first_call(q: Tensor, k: Tensor, v: Tensor, flags: tuple, choices: tuple,
@@ -99,7 +99,7 @@ def _replay(signature: signatures.Signature, q: Tensor, k: Tensor, v: Tensor) ->
     """A recorded signature's call: forward and backward in the C++ replayer."""
     record(signature.forward_plan)
     if signature.watch is not None:  # the backward's bounded waits, watched at the forward
-        watch_spin_flag(*signature.watch)
+        errors.watch_spin_flag(*signature.watch)
     return native.loaded().attention(q, k, v, signature.handle)
 
 

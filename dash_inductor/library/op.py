@@ -40,7 +40,6 @@ from dash_inductor.library.dropout import check_p, check_state
 from dash_inductor.ops import catalog
 from dash_inductor.ops.plan import Plan
 from dash_inductor.ops.shared import native
-from dash_inductor.ops.shared.errors import watch_spin_flag
 from dash_inductor.library import signatures
 from dash_inductor.library.shapes import Canonical, canonicalize, empty_like_layout, unfilled
 from dash_inductor.library.signatures import uses_triton
@@ -228,10 +227,11 @@ def _attention_kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, r
                 c = _checked(q, k, v, None, dropout_p, is_causal, scale, enable_gqa,
                              window_size, choices, rng_state)
                 signature = signatures.remember(key, c, q, k, v, (flags, choices))
-            if signature is not None and signature.handle is not None and signature.handle >= 0:
-                record(signature.forward_plan)
-                return tuple(native.loaded().run_forward(signature.handle, q, k, v))
             if signature is not None:
+                replayed = signature.replay_forward(q, k, v)
+                if replayed is not None:
+                    record(signature.forward_plan)
+                    return replayed
                 out, lse, plan = signature.forward_recorded(q, k, v, kernel_path)
                 record(plan)
                 return out, lse
@@ -278,17 +278,10 @@ def _attention_backward_kernel(grad_out, q, k, v, out, logsumexp, attn_mask, is_
         if attn_mask is None and dropout_p == 0.0:  # the forward's signature, validated then
             signature = signatures.lookup(signatures.key(
                 q, k, v, (is_causal, scale, enable_gqa, tuple(window_size)), choices))
-            if signature is not None and signature.handle is not None and signature.handle >= 0:
-                ran = native.loaded().run_backward(signature.handle, grad_out, q, k, v, out,
-                                                   logsumexp)
-                if ran is not None:
-                    record(signature.native_plans[ran[0]])
-                    if signature.watch is not None:
-                        watch_spin_flag(*signature.watch)
-                    return ran[1:]
             if signature is not None:
-                grads, plan = signature.backward_recorded(grad_out, q, k, v, out, logsumexp,
-                                                          schedule, max_spin, kernel_path)
+                grads, plan = (signature.replay_backward(grad_out, q, k, v, out, logsumexp)
+                               or signature.backward_recorded(grad_out, q, k, v, out, logsumexp,
+                                                              schedule, max_spin, kernel_path))
                 record(plan)
                 return grads
         c = _checked(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,

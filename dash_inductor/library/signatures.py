@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from dash_inductor.ops.plan import HOLDERS, Plan
+from dash_inductor.ops.shared import errors, native
 from dash_inductor.library.shapes import Canonical, empty_like_layout
 
 _MAXSIZE = 1024  #: as the dispatcher's cache: a model has a handful of shapes per layer
@@ -97,6 +98,26 @@ class Signature:
         return (grad_out.stride(), grad_out.data_ptr() % 16, grad_out.dtype, out.stride(),
                 out.data_ptr() % 16, lse.stride(), torch.backends.cuda.matmul.allow_tf32)
 
+    def replay_forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor] | None:
+        """(out, lse) from the replayer, or None where the signature was not recorded."""
+        if self.handle is None or self.handle < 0:
+            return None
+        out, lse = native.loaded().run_forward(self.handle, q, k, v)
+        return out, lse
+
+    def replay_backward(self, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                        lse: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], Plan] | None:
+        """(dq, dk, dv; the plan recorded) from the replayer, or None where the gradient's
+        layout has no program; its bounded waits are watched as the launcher would."""
+        if self.handle is None or self.handle < 0:
+            return None
+        ran = native.loaded().run_backward(self.handle, grad_out, q, k, v, out, lse)
+        if ran is None:
+            return None
+        if self.watch is not None:
+            errors.watch_spin_flag(*self.watch)
+        return tuple(ran[1:]), self.native_plans[ran[0]]
+
     def forward_recorded(self, q: Tensor, k: Tensor, v: Tensor, kernel: str
                          ) -> tuple[Tensor, Tensor, Plan]:
         """:meth:`forward`, recorded for the replayer when it is loaded and the plan exists."""
@@ -129,7 +150,7 @@ class Signature:
         if (self.handle is None or self.handle < 0 or layout in self.recorded
                 or layout not in self.backward_plans):
             return self.backward(grad_out, q, k, v, out, lse, schedule, max_spin, kernel)
-        from dash_inductor.ops.shared import errors, native, tape
+        from dash_inductor.ops.shared import tape
 
         ran = []
 
@@ -152,11 +173,7 @@ class Signature:
 
 def _replayer(t: Tensor):
     """The C++ replayer where it may run ``t``'s calls (CUDA, loaded), else None."""
-    if not t.is_cuda:
-        return None
-    from dash_inductor.ops.shared import native
-
-    return native.load()
+    return native.load() if t.is_cuda else None
 
 
 _SIGNATURES: dict[tuple, Signature] = {}
