@@ -277,7 +277,7 @@ def test_an_empty_launch_hook_chain_costs_a_bound_launch_nothing():
     for an empty chain (no metadata record), and the chain itself once a profiler adds a hook."""
     from triton import knobs
 
-    from dash_inductor.ops.shared.launch import _active
+    from dash_inductor.ops.shared.driver import active as _active
 
     chain = type(knobs.runtime.launch_enter_hook)()
     assert _active(None) is None and _active(chain) is None

@@ -130,3 +130,17 @@ def test_a_layout_without_a_program_falls_back(module, signature, monkeypatch):
     out, lse = _forward(q, k, v)
     for leaf, expected in zip(leaves, _backward(g, q, k, v, out, lse)):
         assert torch.equal(leaf.grad, expected)
+
+
+def test_a_profilers_launch_hook_turns_the_replay_off():
+    """Triton's launch hooks see Python's launches only: while one is set, calls take that path."""
+    from triton import knobs
+
+    assert not native.launch_hooked()
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert native.launch_hooked()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not native.launch_hooked()

@@ -143,7 +143,7 @@ def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | Non
         flags, chosen = (is_causal, scale, enable_gqa, window), tuple(choices.values())
         signature_key = signatures.key(query, key, value, flags, chosen)
         signature = signatures.lookup(signature_key)
-        if signature is not None and signature.handle is not None and signature.handle >= 0:
+        if signature is not None and signature.replayable():
             return _replay(signature, query, key, value)
         return _EagerAttention.apply(query, key, value, flags, chosen, signature_key)
     return attention_op(query, key, value, attn_mask, 0.0, is_causal, scale=scale,

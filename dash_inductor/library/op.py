@@ -64,8 +64,8 @@ def last_plans() -> list[Plan]:
     entries = list(_PLANS)
     module = native.loaded()
     if module is not None:  # the backwards that the replayer ran, by its journal
-        entries += [(number, signatures.by_handle(handle).native_plans[index])
-                    for number, handle, index in module.journal()]
+        entries += [(number, plan) for number, handle, index in module.journal()
+                    if (plan := signatures.native_plan(handle, index)) is not None]
         entries = sorted(entries, key=lambda entry: entry[0])[-_PLANS.maxlen:]
     return [plan for _, plan in entries]
 

@@ -98,9 +98,14 @@ class Signature:
         return (grad_out.stride(), grad_out.data_ptr() % 16, grad_out.dtype, out.stride(),
                 out.data_ptr() % 16, lse.stride(), torch.backends.cuda.matmul.allow_tf32)
 
+    def replayable(self) -> bool:
+        """Whether the replayer runs this signature's calls now."""
+        return self.handle is not None and self.handle >= 0 and not native.launch_hooked()
+
     def replay_forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor] | None:
-        """(out, lse) from the replayer, or None where the signature was not recorded."""
-        if self.handle is None or self.handle < 0:
+        """(out, lse) from the replayer, or None where the signature was not recorded (or a
+        profiler's launch hooks want to see the launches)."""
+        if not self.replayable():
             return None
         out, lse = native.loaded().run_forward(self.handle, q, k, v)
         return out, lse
@@ -109,7 +114,7 @@ class Signature:
                         lse: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], Plan] | None:
         """(dq, dk, dv; the plan recorded) from the replayer, or None where the gradient's
         layout has no program; its bounded waits are watched as the launcher would."""
-        if self.handle is None or self.handle < 0:
+        if not self.replayable():
             return None
         ran = native.loaded().run_backward(self.handle, grad_out, q, k, v, out, lse)
         if ran is None:
@@ -222,6 +227,13 @@ def remember(signature_key: tuple, c: Canonical, q: Tensor, k: Tensor, v: Tensor
 
 def by_handle(handle: int) -> Signature:
     return _BY_HANDLE[handle]
+
+
+def native_plan(handle: int, index: int) -> Plan | None:
+    """The plan of a signature's recorded backward, or None for a handle that no signature made
+    (a program built directly, as tests do)."""
+    signature = _BY_HANDLE.get(handle)
+    return None if signature is None else signature.native_plans[index]
 
 
 def clear() -> None:

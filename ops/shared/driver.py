@@ -57,6 +57,15 @@ def _driver() -> ctypes.CDLL:
     return _cuda
 
 
+def active(hook):
+    """``hook`` (a Triton launch hook), or None where it would call nothing: Triton 3.6+ keeps
+    its launch hooks in a ``HookChain`` that is never None, and a chain without calls would still
+    cost a metadata record and two Python calls a launch."""
+    if hook is None or not getattr(hook, "calls", True):
+        return None
+    return hook
+
+
 def _loadable() -> bool:
     """Whether libcuda loads here (not on a machine with no CUDA driver, e.g. ROCm's)."""
     try:

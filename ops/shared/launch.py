@@ -156,15 +156,6 @@ class Launches:
         bound(grid, args)
 
 
-def _active(hook):
-    """``hook``, or None where it would call nothing: Triton 3.6+ keeps its launch hooks in a
-    ``HookChain`` that is never None, and a chain without calls would still cost a metadata
-    record and two Python calls a launch."""
-    if hook is None or not getattr(hook, "calls", True):
-        return None
-    return hook
-
-
 def _bind(kernel, args: tuple, constexprs: dict) -> Callable[[tuple, tuple], None]:
     """Compile ``kernel`` for these arguments and return a launcher of it that takes the grid and
     the positional arguments: the compiled kernel wants every parameter in order, constexprs too."""
@@ -179,7 +170,7 @@ def _bind(kernel, args: tuple, constexprs: dict) -> Callable[[tuple, tuple], Non
     direct = driver.bind(compiled, len(args)) if LAUNCHER == "driver" else None
 
     def launch(grid: tuple[int, ...], args: tuple) -> None:
-        enter, leave = _active(hooks.launch_enter_hook), _active(hooks.launch_exit_hook)
+        enter, leave = driver.active(hooks.launch_enter_hook), driver.active(hooks.launch_exit_hook)
         if direct is not None and enter is None and leave is None:
             direct(grid, args)
             return

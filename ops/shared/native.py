@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -77,6 +78,18 @@ def next_number() -> int:
     (``last_plans()``)."""
     module = _module
     return module.next_sequence() if module is not None else next(_numbers)
+
+
+def launch_hooked() -> bool:
+    """Whether a profiler has set Triton's launch hooks, which see Python's launches only: the
+    calls then take the Python path. (Triton is imported by then if a signature was recorded.)"""
+    knobs = sys.modules.get("triton.knobs")
+    if knobs is None:
+        return False
+    from . import driver
+
+    runtime = knobs.runtime
+    return bool(driver.active(runtime.launch_enter_hook) or driver.active(runtime.launch_exit_hook))
 
 
 def failure() -> str | None:

@@ -126,12 +126,17 @@ def test_a_first_backward_under_cuda_graph_trees_leaves_nothing_in_their_pool(mo
 
 
 def test_a_launch_hook_sees_every_bound_launch():
-    """Bound launches skip Triton's empty hook chain; a hook a profiler adds still sees each."""
+    """Bound launches skip Triton's empty hook chain, and a recorded signature's calls skip
+    Python; a hook a profiler adds still sees each launch."""
     from triton import knobs
 
+    from dash_inductor.ops.shared import native
+
+    native.load(wait=True)
     q, k, v = (torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
-    dash_inductor.attention(q, k, v, is_causal=True).sum().backward()  # binds the launches
+    for _ in range(3):  # binds the launches, records them, replays them
+        dash_inductor.attention(q, k, v, is_causal=True).sum().backward()
     seen: list[str] = []
     hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
