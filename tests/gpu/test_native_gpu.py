@@ -54,6 +54,12 @@ def _call(inputs, case, grad=None):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def _assert_bits(expected, *runs):
+    for got in runs:
+        for a, b in zip(expected, got, strict=True):
+            assert torch.equal(a, b)
+
+
 def _signature(inputs, case):
     shape, hkv, _, causal, kernel, schedule = case
     flags = (causal, None, hkv != shape[1], (-1, -1))
@@ -76,9 +82,7 @@ def test_replayed_calls_give_the_python_bits(module, case):
     assert [handle for _, handle, _ in ran] == [signature.handle] * 3
     assert not before or ran[0][0] > before[-1][0]
     assert last_plans()[-1].op == "backward" and last_plans()[-2].op == "forward"
-    for got in (recorded, *replays):
-        for a, b in zip(python, got):
-            assert torch.equal(a, b)
+    _assert_bits(python, recorded, *replays)
 
 
 def test_a_replayed_step_never_syncs(module):
@@ -108,9 +112,7 @@ def test_a_new_gradient_layout_falls_back_then_replays(module):
     assert module.journal() == journal
     replayed = _call(inputs, case, transposed)
     assert module.journal() != journal
-    for got in (fallback, replayed):
-        for a, b in zip(expected, got):
-            assert torch.equal(a, b)
+    _assert_bits(expected, fallback, replayed)
 
 
 def test_a_second_derivative_is_refused_as_on_the_python_path(module):
@@ -146,6 +148,4 @@ def test_compiled_calls_replay_the_op_with_the_same_bits(module):
     runs = [run() for _ in range(4)]
     signature = _signature(inputs, case)
     assert signature is not None and signature.handle >= 0 and signature.native_plans
-    for got in runs:
-        for a, b in zip(first, got):
-            assert torch.equal(a, b)
+    _assert_bits(first, *runs)
