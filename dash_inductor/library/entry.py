@@ -19,8 +19,7 @@ from dash_inductor.library.op import (_backward, _forward, _grads_to_inputs, att
                                       check_schedule_allowed, op_options, record)
 from dash_inductor.library.shapes import canonicalize, check_not_nested, check_sdpa_flags, unfilled
 from dash_inductor.library.window import NO_WINDOW, check_window
-from dash_inductor.ops.shared import native
-from dash_inductor.ops.shared import errors
+from dash_inductor.ops.shared import errors, native
 
 
 def _first_call(q: Tensor, k: Tensor, v: Tensor, flags: tuple, choices: tuple,

@@ -117,9 +117,8 @@ def _forward(c: Canonical, cpu_backend: str, kernel_path: str,
         from dash_inductor.ops import dispatch
 
         record(dispatch.attention_forward(c.q, c.k, c.v, c.mask, out, lse,
-                                                 is_causal=c.is_causal, scale=c.scale,
-                                                 kernel=kernel_path, window=c.window,
-                                                 dropout=dropout))
+                                          is_causal=c.is_causal, scale=c.scale,
+                                          kernel=kernel_path, window=c.window, dropout=dropout))
     else:
         ref_out, ref_lse = reference.attention_forward(c.q, c.k, c.v, c.mask, c.is_causal, c.scale,
                                                        c.window, dropout)

@@ -126,7 +126,9 @@ class Signature:
     def forward_recorded(self, q: Tensor, k: Tensor, v: Tensor, kernel: str
                          ) -> tuple[Tensor, Tensor, Plan]:
         """:meth:`forward`, recorded for the replayer when it is loaded and the plan exists."""
-        module = _replayer(q) if self.handle is None and self.forward_plan is not None else None
+        module = None
+        if self.handle is None and self.forward_plan is not None and q.is_cuda:
+            module = native.load()
         if module is None:
             return self.forward(q, k, v, kernel)
         from dash_inductor.ops.shared import tape
@@ -174,11 +176,6 @@ class Signature:
             if plan.schedule is not None and plan.schedule.ordered:
                 self.watch = (errors.spin_flag(q.device), plan)
         return tuple(grads), plan
-
-
-def _replayer(t: Tensor):
-    """The C++ replayer where it may run ``t``'s calls (CUDA, loaded), else None."""
-    return native.load() if t.is_cuda else None
 
 
 _SIGNATURES: dict[tuple, Signature] = {}

@@ -248,7 +248,6 @@ def _launcher(compiled, steps: tuple, fmt: list[str], offsets: list[int], count:
     ``pack_into`` of this call's values and one ``cuLaunchKernelEx``, under a lock: the driver
     reads the block with the GIL released, and another thread must not refill it meanwhile. The
     call is generated with one expression per argument: a loop over the kinds cost more."""
-    metadata = compiled.metadata
     head = struct.calcsize(_CONFIG + _ATTRIBUTE)
     params_at = _map_aligned(head)
     layout = struct.Struct(_CONFIG + _ATTRIBUTE + "x" * (params_at - head) + "".join(fmt))
@@ -258,8 +257,8 @@ def _launcher(compiled, steps: tuple, fmt: list[str], offsets: list[int], count:
     null = base + layout.size + (-layout.size % 8)  # the two scratch pointers: NULL, zeroed
     params = (ctypes.c_void_p * (count + 2))(*(base + params_at + o for o in offsets), null, null)
     attribute = base + struct.calcsize(_CONFIG)
-    cooperative = 1 if metadata.launch_cooperative_grid else 0
-    fixed = (32 * metadata.num_warps, 1, 1, metadata.shared)
+    bound = Bound(compiled, steps, arg_offsets, offsets, (params_at, layout.size))
+    cooperative, fixed = int(bound.cooperative), (bound.threads, 1, 1, bound.shared)
     terms = []
     for i, step in enumerate(steps):
         if step is VALUE:
@@ -288,8 +287,7 @@ def _launcher(compiled, steps: tuple, fmt: list[str], offsets: list[int], count:
                  stream=torch._C._cuda_getCurrentRawStream, device=torch._C._cuda_getDevice,
                  launch=_driver().cuLaunchKernelEx, config=ctypes.c_void_p(base),
                  function=ctypes.c_void_p(compiled.function), params=params, block=block,
-                 lock=threading.Lock(), TAPE=TAPE,
-                 bound=Bound(compiled, steps, arg_offsets, offsets, (params_at, layout.size)))
+                 lock=threading.Lock(), TAPE=TAPE, bound=bound)
     name = getattr(compiled, "name", "a kernel")
     exec(compile(source, f"<dash launch of {name}>", "exec"), scope)
     return scope["run"]

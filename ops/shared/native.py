@@ -20,12 +20,14 @@ from types import ModuleType
 
 import torch
 
+from . import driver
+
 #: Whether the replayer may take new signatures, from ``DASH_INDUCTOR_NATIVE`` ("1" or "0");
 #: set it and call ``dash_inductor.ops.cache_clear()`` to switch (benchmarks compare both).
-ENABLED = os.environ.get("DASH_INDUCTOR_NATIVE", "1")
-if ENABLED not in ("0", "1"):
-    raise ValueError(f"DASH_INDUCTOR_NATIVE={ENABLED!r}: expected '1' or '0'")
-ENABLED = ENABLED == "1"
+_SETTING = os.environ.get("DASH_INDUCTOR_NATIVE", "1")
+if _SETTING not in ("0", "1"):
+    raise ValueError(f"DASH_INDUCTOR_NATIVE={_SETTING!r}: expected '1' or '0'")
+ENABLED = _SETTING == "1"
 
 _SOURCE = Path(__file__).with_name("native.cpp")
 _module: ModuleType | None = None
@@ -86,8 +88,6 @@ def launch_hooked() -> bool:
     knobs = sys.modules.get("triton.knobs")
     if knobs is None:
         return False
-    from . import driver
-
     runtime = knobs.runtime
     return bool(driver.active(runtime.launch_enter_hook) or driver.active(runtime.launch_exit_hook))
 
