@@ -112,7 +112,7 @@ def _take(claim, slots, ready, empty, NUM_WARPS: gl.constexpr):
 
 
 @gluon.jit
-def claim_work(work, head_end, claim, CLAIMS, ERR, max_spin, slots, ready, empty,
+def claim_work(work, head_end, works, claim, CLAIMS, ERR, max_spin, slots, ready, empty,
                CLAIMED: gl.constexpr):
     """The load partition's work index after ``work`` (an index at or past the last ends every
     partition's walk): P further on, or, CLAIMED, its program's ``claim``-th claimed index, taken
@@ -121,7 +121,8 @@ def claim_work(work, head_end, claim, CLAIMS, ERR, max_spin, slots, ready, empty
     the other partitions."""
     if CLAIMED:
         programs = gl.num_programs(0)
-        await_count(CLAIMS, head_end - programs, ERR, max_spin)
+        # each program's claims stop at the first index past the last (``works``)
+        await_count(CLAIMS, head_end - programs, works, ERR, max_spin)
         work = gl.atomic_add(CLAIMS, 1, sem="relaxed") + programs
         _publish(work, claim, slots, ready, empty)
     else:

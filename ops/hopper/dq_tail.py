@@ -76,7 +76,7 @@ def convert_tail(DQACC, DQ, FINISHED, ERR, CU_Q, PREFIX, stride_dqt, stride_dqh,
         chunk = unit % CHUNKS
         b = gl.load(PREFIX + entries + 1 + j)
         items = gl.load(PREFIX + j + 1) - gl.load(PREFIX + j)
-        await_count(FINISHED + b * HKV + hq // GROUP, items, ERR, max_spin)
+        await_count(FINISHED + b * HKV + hq // GROUP, items, items, ERR, max_spin)
         q0 = gl.load(CU_Q + b)
         lo, hi = chunk_rows(q0, gl.load(CU_Q + b + 1) - q0, chunk, CHUNKS)
         for start in range(lo, hi, PASS_ROWS):

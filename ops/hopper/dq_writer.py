@@ -106,7 +106,7 @@ def dq_writer_partition(dq_desc, dq_bufs, dq_ready, dq_empty, q_empty, work_slot
                                 # back the release of the loader's stage.
                                 turn = walk.rank(qt, kv, tiles_q, tiles_kv, BLOCK_N, win_left,
                                                  CAUSAL, WINDOW, SCHEDULE)
-                                await_count(ticket, turn, ERR, max_spin)
+                                await_count(ticket, turn, turn, ERR, max_spin)
                             if not FREES_STAGES:
                                 _take_partial(dq_ready, it, NAMED_HANDOFF, HANDOFF_THREADS)
                             base = DQACC + (row_base + row0).to(gl.int64) * HEAD_D

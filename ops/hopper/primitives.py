@@ -49,16 +49,18 @@ def named_barrier_sync(index, threads: gl.constexpr):
 
 
 @gluon.jit
-def await_count(counter, value, ERR, max_spin):
-    """Wait (acquire) until int32 ``counter``, which only grows, reaches ``value``, at most
+def await_count(counter, lo, hi, ERR, max_spin):
+    """Wait (acquire) until int32 ``counter``, which only grows, reads a value in [lo, hi], at most
     ``max_spin`` polls; past them set the error flag ERR, which the launcher turns into an
-    exception (no wait hangs)."""
+    exception (no wait hangs). ``hi`` is the most the counter can legitimately hold by then (a
+    ticket's turn: exactly ``lo``): a poll that reads more is polled again, as under GPU
+    time-slicing a poll's result has come back corrupted (docs/racecheck.md)."""
     seen = gl.atomic_add(counter, 0, sem="acquire")
     spins = 0
-    while (seen < value) & (spins < max_spin):
+    while ((seen < lo) | (seen > hi)) & (spins < max_spin):
         seen = gl.atomic_add(counter, 0, sem="acquire")
         spins += 1
-    gl.atomic_max(ERR, 1, mask=seen < value)
+    gl.atomic_max(ERR, 1, mask=(seen < lo) | (seen > hi))
 
 
 @builtin

@@ -215,8 +215,8 @@ class Walk:
         """The load partition's work index after ``work`` (``item`` of a sequence of ``tiles_kv``
         KV tiles), its ``claim``-th step (``deal.claim_work``: past the item's head)."""
         head_end = work - item + sch.items_in_head(tiles_kv, self.CAUSAL, self.SCHEDULE)
-        return deal.claim_work(work, head_end, claim, CLAIMS, ERR, max_spin, self.slots,
-                               self.ready, self.empty, self.CLAIMED)
+        return deal.claim_work(work, head_end, self.works, claim, CLAIMS, ERR, max_spin,
+                               self.slots, self.ready, self.empty, self.CLAIMED)
 
 
 @gluon.jit
