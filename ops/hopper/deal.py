@@ -117,11 +117,12 @@ def claim_work(work, head_end, works, claim, CLAIMS, ERR, max_spin, slots, ready
     """The load partition's work index after ``work`` (an index at or past the last ends every
     partition's walk): P further on, or, CLAIMED, its program's ``claim``-th claimed index, taken
     from the counter CLAIMS once that has passed ``head_end`` (one past the last index of the
-    current item's sequence and KV head; a bounded wait, the error flag ERR), and published to
+    current item's sequence and KV head; a bounded wait, the error flag ERR; a read above
+    ``works``, the count of work indices, is no count the counter can hold), and published to
     the other partitions."""
     if CLAIMED:
         programs = gl.num_programs(0)
-        # each program's claims stop at the first index past the last (``works``)
+        # a program's claims stop at its first index past the last: the counter stays <= works
         await_count(CLAIMS, head_end - programs, works, ERR, max_spin)
         work = gl.atomic_add(CLAIMS, 1, sem="relaxed") + programs
         _publish(work, claim, slots, ready, empty)
