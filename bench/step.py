@@ -15,8 +15,11 @@ variants (``--no-nan-fill``: determinism on without PyTorch's NaN fill of every 
   deterministic attention backward);
 - determinism off: plain PyTorch.
 
-It prints and writes the median step time (each step synchronised alone), the time and host time
-a step of steps run back to back, and the peak memory of each, and the peak memory
+Every variant is compiled and warmed up first, then the variants take turns for ``--rounds``
+rounds of ``--steps`` steps each, so that the host's and the GPU's drift reaches them alike
+(each variant compiles its own graph: ``compile_own``). It prints and writes the median step time
+(each step synchronised alone), the time and host time a step of steps run back to back (median
+over rounds), each variant's peak memory a step beyond what stays allocated, and the peak memory
 of one attention forward+backward alone (dash against SDPA: dash adds no N x N buffer, only O(N*d)
 for the fp32 dQ accumulator and the tickets). The target is dash <= 1.05x the determinism-off step.
 """
@@ -24,10 +27,13 @@ for the fp32 dQ accumulator and the tickets). The target is dash <= 1.05x the de
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,51 +71,114 @@ def time_back_to_back(train: Any, steps: int) -> tuple[float, float]:
     return 1e3 * (time.perf_counter() - start) / steps, 1e3 * host / steps
 
 
-def time_training(cfg: DemoConfig, deterministic: bool, rewrite: str, warmup: int,
-                  record_sites: bool, profile: bool = False, mode: str = "default",
-                  optimize: bool = True) -> dict[str, Any]:
-    """Compile (in ``mode``) and train ``cfg``'s model; median step time after ``warmup`` steps,
-    peak memory, and with ``profile`` the kernels with the most device time in one more step."""
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
-    model = make_model(cfg)
-    compiled = torch.compile(model, mode=None if mode == "default" else mode)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimize else None
-    generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
-    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), device=cfg.device,
-                           generator=generator)
+def compile_own(model: torch.nn.Module, name: str, mode: str) -> Any:
+    """``torch.compile`` of ``model`` under a code object of its own. Dynamo keeps its graphs per
+    code object and guards neither on the model instance nor on dash's rewrite setting, so two
+    variants compiled from one class under determinism would otherwise share the first's graph."""
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        return model(tokens)
 
-    def train() -> None:
-        compiled(tokens).backward()
-        if optimizer is not None:
-            optimizer.step()
-        model.zero_grad(set_to_none=True)
+    step.__code__ = step.__code__.replace(co_name="step_" + re.sub(r"\W", "_", name))
+    return torch.compile(step, mode=None if mode == "default" else mode)
 
-    def step() -> float:
+
+class Variant:
+    """One variant's compiled model, optimizer and batch, and its timings so far."""
+
+    def __init__(self, cfg: DemoConfig, name: str, mode: str, optimize: bool) -> None:
+        self.name, self.mode = name, mode
+        self.deterministic, self.rewrite = VARIANTS[name]
+        self.model = make_model(cfg)
+        self.compiled = compile_own(self.model, name, mode)
+        self.optimizer = (torch.optim.AdamW(self.model.parameters(), lr=1e-4) if optimize
+                          else None)
+        generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
+        self.tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), device=cfg.device,
+                                    generator=generator)
+        self.times: list[float] = []
+        self.back_to_back: list[tuple[float, float]] = []
+        self.peak = 0.0
+
+    @contextlib.contextmanager
+    def settings(self) -> Iterator[None]:
+        """The variant's determinism and rewrite setting, under which it compiled and runs."""
+        with m.determinism(self.deterministic), dash_inductor.config.patch(rewrite=self.rewrite), \
+                quiet_cache_key_warnings():
+            yield
+
+    def train(self) -> None:
+        if self.mode == "reduce-overhead":  # a new iteration: the previous graphs' outputs are dead
+            torch.compiler.cudagraph_mark_step_begin()
+        self.compiled(self.tokens).backward()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        train()
+        self.train()
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    sites: list[Any] = []
-    with m.determinism(deterministic), dash_inductor.config.patch(rewrite=rewrite), \
-            quiet_cache_key_warnings():
-        if record_sites:  # the first step compiles: record what the rewrite does there
-            with recorded_sites() as sites:
-                step()
-        for _ in range(warmup - int(record_sites)):
-            step()
-        torch.cuda.reset_peak_memory_stats()
-        times = [step() for _ in range(cfg.steps)]
-        peak = torch.cuda.max_memory_allocated() / GIB
-        back_to_back_ms, host_ms = time_back_to_back(train, cfg.steps)
-        kernels = m.top_kernels(train, "cuda", count=15) if profile else None
-    rewritten, _ = describe_sites(sites) if record_sites else (None, [])
-    result = {"step_ms": 1e3 * statistics.median(times), "step_ms_all": [1e3 * t for t in times],
-              "peak_memory_gib": peak, "back_to_back_ms": back_to_back_ms, "host_ms": host_ms,
-              "rewritten": rewritten, "kernels": kernels}
-    return result
+    def warm_up(self, steps: int) -> int | None:
+        """Compile and run ``steps`` steps; the number of attention calls rewritten (None
+        without the rewrite)."""
+        with self.settings():
+            if self.rewrite == "off":
+                for _ in range(steps):
+                    self.step()
+                return None
+            with recorded_sites() as sites:  # the first step compiles: record the rewrite
+                self.step()
+            for _ in range(steps - 1):
+                self.step()
+        return describe_sites(sites)[0]
+
+    def run_round(self, steps: int) -> None:
+        """``steps`` steps synchronised alone, then ``steps`` back to back."""
+        with self.settings():
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            self.times += [self.step() for _ in range(steps)]
+            self.peak = max(self.peak, (torch.cuda.max_memory_allocated() - base) / GIB)
+            self.back_to_back.append(time_back_to_back(self.train, steps))
+
+    def result(self, profile: bool) -> dict[str, Any]:
+        with self.settings():
+            kernels = m.top_kernels(self.train, "cuda", count=15) if profile else None
+        return {"step_ms": 1e3 * statistics.median(self.times),
+                "step_ms_all": [1e3 * t for t in self.times], "step_peak_gib": self.peak,
+                "back_to_back_ms": statistics.median(b for b, _ in self.back_to_back),
+                "host_ms": statistics.median(h for _, h in self.back_to_back),
+                "kernels": kernels}
+
+
+def time_variants(cfg: DemoConfig, mode: str, args: argparse.Namespace,
+                  bar: ProgressBar) -> list[dict[str, Any]]:
+    """Every variant compiled and warmed up, then timed in ``args.rounds`` rounds in which the
+    variants take turns, so that a drift of the host or the GPU reaches them alike."""
+    rows, variants = {}, []
+    for name in VARIANTS:
+        rows[name] = {"seq": cfg.seq, "batch": cfg.batch, "mode": mode, "variant": name}
+        try:
+            variant = Variant(cfg, name, mode, optimize=not args.no_optimizer)
+            rows[name]["rewritten"] = variant.warm_up(args.warmup)
+            variants.append(variant)
+            bar.update(f"N={cfg.seq} B={cfg.batch} {mode} {name}: compiled")
+        except Exception as error:  # record and go on
+            rows[name]["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            bar.update(f"N={cfg.seq} {mode} {name}: FAILED")
+    for _ in range(args.rounds):
+        for variant in variants:
+            variant.run_round(args.steps)
+    for variant in variants:
+        rows[variant.name].update(variant.result(args.profile))
+    del variants
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return list(rows.values())
 
 
 def attention_memory(seq: int, cfg: DemoConfig) -> list[dict[str, Any]]:
@@ -168,7 +237,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--gqa", type=int, default=1,
                         help="query heads per KV head in every other layer (default 1: no GQA)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="timed steps a variant takes in each round (median reported)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds in which the variants take turns")
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing (compiles)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step per variant: its costliest kernels")
@@ -177,7 +249,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "determinism on without PyTorch filling every new tensor with NaN")
     args = parser.parse_args(argv)
     if args.quick:
-        args.seqs, args.layers, args.steps, args.warmup = "2048", 2, 3, 2
+        args.seqs, args.layers, args.steps, args.warmup, args.rounds = "2048", 2, 3, 2, 1
     return args
 
 
@@ -204,19 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                          vocab=args.vocab, kv_group=args.gqa, device="cuda",
                          dtype=torch.bfloat16)
         for mode in modes:
-            for name, (deterministic, rewrite) in VARIANTS.items():
-                row: dict[str, Any] = {"seq": seq, "batch": cfg.batch, "mode": mode,
-                                       "variant": name}
-                try:
-                    row.update(time_training(cfg, deterministic, rewrite, args.warmup,
-                                             record_sites=rewrite != "off", profile=args.profile,
-                                             mode=mode, optimize=not args.no_optimizer))
-                    note = f"N={seq} B={cfg.batch} {mode} {name}: {row['step_ms']:.1f} ms"
-                except Exception as error:  # record and go on
-                    row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-                    note = f"N={seq} {mode} {name}: FAILED"
-                rows.append(row)
-                bar.update(note)
+            rows += time_variants(cfg, mode, args, bar)
         if not args.no_memory:
             memory += attention_memory(seq, cfg)
     print_results(rows, memory)
@@ -238,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_results(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) -> None:
-    print("\nCompiled training step: median ms (x determinism off), peak memory GiB")
+    print("\nCompiled training step: median ms (x determinism off), peak memory a step beyond "
+          "what stays allocated between steps")
     by = {(_case(r), r["variant"]): r for r in rows}
     for case in dict.fromkeys(_case(r) for r in rows):
         off = by.get((case, "determinism off"), {}).get("step_ms")
@@ -252,7 +313,7 @@ def print_results(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) -> N
             sites = f", {r['rewritten']} attention calls rewritten" if r.get("rewritten") is not None \
                 else ""
             kernels = f", kernels {r['kernels']['total_ms']:.1f} ms" if r.get("kernels") else ""
-            cells.append(f"{name}: {r['step_ms']:.1f} ms{ratio}, {r['peak_memory_gib']:.2f} GiB"
+            cells.append(f"{name}: {r['step_ms']:.1f} ms{ratio}, peak {r['step_peak_gib']:.2f} GiB"
                          f"{sites}{kernels}; back to back {r['back_to_back_ms']:.1f} ms a step, "
                          f"host {r['host_ms']:.1f}")
         print(f"N={case[0]}, B={case[1]}, {case[2]}:\n  " + "\n  ".join(cells))
@@ -285,7 +346,7 @@ def render_markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[di
             r = by.get((case, name), {})
             times[name] = r.get("step_ms")
             cells.append("error" if r.get("error") else
-                         f"{r['step_ms']:.1f} ms, {r['peak_memory_gib']:.1f} GiB")
+                         f"{r['step_ms']:.1f} ms, {r['step_peak_gib']:.1f} GiB")
         off = times["determinism off"]
         ratios = [f"{times[n] / off:.2f}" if times[n] and off else "—"
                   for n in ("dash (determinism on)", "SDPA (determinism on)")]
