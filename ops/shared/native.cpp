@@ -78,14 +78,23 @@ struct Pointer {  // a parameter that holds a slot's address plus a byte offset
   int64_t at, slot, offset;
 };
 
+// A step calls one signature once per layer, each with its own addresses, and the caching
+// allocator hands them out again the next step: keep the encodings of that many bases.
+constexpr size_t kEncodingsKept = 32;
+
+struct Encoding {
+  uint64_t base = 0;  // the base address ``bytes`` was made for (0: none yet)
+  alignas(64) std::array<uint8_t, kMapBytes> bytes;
+};
+
 struct TensorMap {  // a TMA descriptor over a slot: cuTensorMapEncodeTiled's arguments
   int64_t at, slot, offset;
   int elem_type, rank, swizzle, fill;
   std::array<uint64_t, 5> dims;
   std::array<uint64_t, 5> strides;
   std::array<uint32_t, 5> box;
-  uint64_t encoded_base = 0;  // the base address ``encoded`` was made for (0: none yet)
-  alignas(64) std::array<uint8_t, kMapBytes> encoded;
+  std::array<Encoding, kEncodingsKept> kept;
+  size_t next = 0;  // the entry a new base replaces (round robin)
 };
 
 struct KernelLaunch {
@@ -257,15 +266,7 @@ class Program {
     }
     for (auto& map : kernel.maps) {
       uint64_t base = reinterpret_cast<uint64_t>(slots[map.slot].data_ptr()) + map.offset;
-      if (base != map.encoded_base) {  // the caching allocator hands most addresses out again
-        std::array<uint32_t, 5> unit{1, 1, 1, 1, 1};
-        check(cuda.encode(map.encoded.data(), map.elem_type, map.rank,
-                          reinterpret_cast<void*>(base), map.dims.data(), map.strides.data(),
-                          map.box.data(), unit.data(), 0, map.swizzle, 2, map.fill),
-              "cuTensorMapEncodeTiled");
-        map.encoded_base = base;
-      }
-      std::memcpy(block + map.at, map.encoded.data(), kMapBytes);
+      std::memcpy(block + map.at, encoding(cuda, map, base).data(), kMapBytes);
     }
     std::vector<void*> params(kernel.offsets.size());
     for (size_t i = 0; i < params.size(); ++i) params[i] = block + kernel.offsets[i];
@@ -278,6 +279,23 @@ class Program {
         : cuda.launch(kernel.function, g[0], g[1], g[2], kernel.threads, 1, 1, kernel.shared,
                       stream, params.data(), nullptr);
     check(status, "a kernel launch");
+  }
+
+  static const std::array<uint8_t, kMapBytes>& encoding(const Driver& cuda, TensorMap& map,
+                                                         uint64_t base) {
+    for (const auto& kept : map.kept) {
+      if (kept.base == base) return kept.bytes;
+    }
+    Encoding& made = map.kept[map.next];
+    map.next = (map.next + 1) % kEncodingsKept;
+    std::array<uint32_t, 5> unit{1, 1, 1, 1, 1};
+    made.base = 0;  // invalid until the encoding succeeds
+    check(cuda.encode(made.bytes.data(), map.elem_type, map.rank, reinterpret_cast<void*>(base),
+                      map.dims.data(), map.strides.data(), map.box.data(), unit.data(), 0,
+                      map.swizzle, 2, map.fill),
+          "cuTensorMapEncodeTiled");
+    made.base = base;
+    return made.bytes;
   }
 
   int64_t inputs_;
