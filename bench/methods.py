@@ -134,11 +134,12 @@ DASH_AUTO = Method("dash_auto", "dash (auto schedule)", True, "auto")
 
 
 @contextlib.contextmanager
-def determinism(enabled: bool) -> Iterator[None]:
-    """``torch.use_deterministic_algorithms(enabled)`` for the block, restored afterwards."""
+def determinism(enabled: bool, warn_only: bool = False) -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(enabled, warn_only=...)`` for the block, restored
+    afterwards."""
     saved = (torch.are_deterministic_algorithms_enabled(),
              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(enabled)
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
     try:
         yield
     finally:

@@ -13,7 +13,9 @@ variants (``--no-nan-fill``: determinism on without PyTorch's NaN fill of every 
   of SDPA (the number of rewritten calls is printed);
 - SDPA, determinism on: the same, with ``dash_inductor.config.rewrite = "off"`` (PyTorch's own
   deterministic attention backward);
-- determinism off: plain PyTorch.
+- determinism off: plain PyTorch;
+- with ``--control``, determinism on in warn-only mode, where SDPA keeps cuDNN's backward: what
+  deterministic mode costs the rest of the model (dash's share of a gap is dash / this).
 
 Every variant is compiled and warmed up first, then the variants take turns for ``--rounds``
 rounds of ``--steps`` steps each, so that the host's and the GPU's drift reaches them alike
@@ -33,6 +35,7 @@ import re
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,12 +52,16 @@ from dash_inductor.demo.cli import (ProgressBar, describe_sites, quiet_cache_key
 from dash_inductor.demo.tiny_gpt import DemoConfig, make_model  # noqa: E402
 from dash_inductor.ops.shared import native  # noqa: E402
 
-#: name -> (deterministic algorithms, dash_inductor.config.rewrite)
+#: name -> (deterministic algorithms, warn only, dash_inductor.config.rewrite)
 VARIANTS = {
-    "dash (determinism on)": (True, "deterministic"),
-    "SDPA (determinism on)": (True, "off"),
-    "determinism off": (False, "off"),
+    "dash (determinism on)": (True, False, "deterministic"),
+    "SDPA (determinism on)": (True, False, "off"),
+    "determinism off": (False, False, "off"),
 }
+#: With ``--control``: deterministic algorithms in warn-only mode, where SDPA keeps cuDNN's
+#: non-deterministic backward while the rest of the model pays what deterministic mode costs it
+#: (Inductor's deterministic lowerings, the NaN fill of new tensors).
+CONTROL = {"determinism on, cuDNN attention": (True, True, "off")}
 GIB = 1024 ** 3
 
 
@@ -87,7 +94,7 @@ class Variant:
 
     def __init__(self, cfg: DemoConfig, name: str, mode: str, optimize: bool) -> None:
         self.name, self.mode = name, mode
-        self.deterministic, self.rewrite = VARIANTS[name]
+        self.deterministic, self.warn_only, self.rewrite = {**VARIANTS, **CONTROL}[name]
         self.model = make_model(cfg)
         self.compiled = compile_own(self.model, name, mode)
         self.optimizer = (torch.optim.AdamW(self.model.parameters(), lr=1e-4) if optimize
@@ -102,8 +109,10 @@ class Variant:
     @contextlib.contextmanager
     def settings(self) -> Iterator[None]:
         """The variant's determinism and rewrite setting, under which it compiled and runs."""
-        with m.determinism(self.deterministic), dash_inductor.config.patch(rewrite=self.rewrite), \
-                quiet_cache_key_warnings():
+        with m.determinism(self.deterministic, self.warn_only), warnings.catch_warnings(), \
+                dash_inductor.config.patch(rewrite=self.rewrite), quiet_cache_key_warnings():
+            if self.warn_only:  # the control's non-deterministic ops warn at every call
+                warnings.simplefilter("ignore", UserWarning)
             yield
 
     def train(self) -> None:
@@ -160,7 +169,7 @@ def time_variants(cfg: DemoConfig, mode: str, args: argparse.Namespace,
     """Every variant compiled and warmed up, then timed in ``args.rounds`` rounds in which the
     variants take turns, so that a drift of the host or the GPU reaches them alike."""
     rows, variants = {}, []
-    for name in VARIANTS:
+    for name in {**VARIANTS, **(CONTROL if args.control else {})}:
         rows[name] = {"seq": cfg.seq, "batch": cfg.batch, "mode": mode, "variant": name}
         try:
             variant = Variant(cfg, name, mode, optimize=not args.no_optimizer)
@@ -242,6 +251,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds in which the variants take turns")
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing (compiles)")
+    parser.add_argument("--control", action="store_true",
+                        help="also time determinism on in warn-only mode with SDPA's cuDNN "
+                             "attention: deterministic mode's cost to the rest of the model")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step per variant: its costliest kernels")
     parser.add_argument("--no-nan-fill", action="store_true",
@@ -269,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}: {args.layers} layers, "
           f"d_model {args.d_model}, {args.heads} heads, bf16, modes {modes}")
     rows, memory = [], []
-    bar = ProgressBar(len(seqs) * len(modes) * len(VARIANTS), "step")
+    bar = ProgressBar(len(seqs) * len(modes) * (len(VARIANTS) + len(CONTROL) * args.control),
+                      "step")
     for seq in seqs:
         cfg = DemoConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, seq=seq,
                          batch=args.batch or max(args.tokens // seq, 1), steps=args.steps,
@@ -304,7 +317,7 @@ def print_results(rows: list[dict[str, Any]], memory: list[dict[str, Any]]) -> N
     for case in dict.fromkeys(_case(r) for r in rows):
         off = by.get((case, "determinism off"), {}).get("step_ms")
         cells = []
-        for name in VARIANTS:
+        for name in dict.fromkeys(r["variant"] for r in rows):
             r = by.get((case, name), {})
             if r.get("error"):
                 cells.append(f"{name}: error ({r['error']})")
@@ -336,13 +349,14 @@ def render_markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[di
              f"{env['cuda']}, {env['date']}: {args.layers} layers, d_model {args.d_model}, "
              f"{args.heads} heads, bf16, " + ("no optimizer" if args.no_optimizer else "AdamW")
              + (", determinism without the NaN fill of new tensors." if args.no_nan_fill else "."),
-             "",
-             "| N | B | mode | " + " | ".join(VARIANTS) + " | dash / off | SDPA on / off |",
-             "|---|---|---|" + "---|" * (len(VARIANTS) + 2)]
+             ""]
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    lines += ["| N | B | mode | " + " | ".join(names) + " | dash / off | SDPA on / off |",
+              "|---|---|---|" + "---|" * (len(names) + 2)]
     by = {(_case(r), r["variant"]): r for r in rows}
     for case in dict.fromkeys(_case(r) for r in rows):
         cells, times = [], {}
-        for name in VARIANTS:
+        for name in names:
             r = by.get((case, name), {})
             times[name] = r.get("step_ms")
             cells.append("error" if r.get("error") else
