@@ -206,23 +206,34 @@ def packed(path: str) -> str:
 
 
 def host(*paths: str) -> str:
-    """bench/host.py's JSON, one column per run: host µs of one forward+backward."""
+    """bench/host.py's JSON, one column per run: host µs of one forward+backward. A run made
+    before each compiled method had a graph of its own (no ``own_graphs``) ran SDPA det. on's
+    graph as ``compiled_dash``: its cell stays empty."""
     runs = [_load(p) for p in paths]
     names = [_folder(p)[1] for p in paths]
+    layers = {run.get("layers") for run in runs} - {None}
     methods = [("sdpa_off", "eager SDPA, det. off"), ("sdpa_on", "eager SDPA, det. on"),
                ("floor", "an autograd.Function that only allocates"), ("dash", "eager dash"),
                ("dash_python", "eager dash, no C++ replayer"),
                ("dash_triton_launcher", "eager dash, no replayer, Triton's launcher"),
                ("compiled_sdpa_off", "compiled SDPA, det. off"),
                ("compiled_sdpa_on", "compiled SDPA, det. on"), ("compiled_dash", "compiled dash"),
+               *((f"layers_{m}", f"compiled, {n} layers a call: {title}") for n in sorted(layers)
+                 for m, title in (("sdpa_off", "SDPA det. off"), ("sdpa_on", "SDPA det. on"),
+                                  ("dash", "dash"))),
                ("varlen_attn_on", "`varlen_attn`, det. on"), ("varlen_dash", "dash varlen")]
-    values = [{r["method"]: r["host_us"] for r in run["rows"]} for run in runs]
+    values = [{r["method"]: r["host_us"] for r in run["rows"]
+               if run.get("own_graphs") or r["method"] != "compiled_dash"} for run in runs]
     body = [[title, *(f"{v[method]:.0f}" if method in v else "–" for v in values)]
             for method, title in methods if any(method in v for v in values)]
     for mine, base, title in (("dash", "sdpa_off", "eager dash / SDPA det. off"),
                               ("compiled_dash", "compiled_sdpa_off",
-                               "compiled dash / SDPA det. off")):
-        body.append([title, *(f"{v[mine] / v[base]:.2f}" for v in values)])
+                               "compiled dash / SDPA det. off"),
+                              ("layers_dash", "layers_sdpa_off",
+                               "compiled layers, dash / SDPA det. off")):
+        if any(mine in v for v in values):
+            body.append([title, *(f"{v[mine] / v[base]:.2f}" if mine in v else "–"
+                                  for v in values)])
     first = runs[-1]
     return (_where(list(paths), first["device"], first["torch"], first["triton"]) + "\n"
             + _table(["host µs a forward+backward", *(f"commit {n}" for n in names)], body))

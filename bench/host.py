@@ -15,8 +15,9 @@ turns for ``--rounds`` rounds, and the median round is reported. Methods:
 - ``dash_python`` (CUDA): ``dash`` without the C++ replayer (``ops/shared/native.cpp``): its
   Python autograd function and launches; ``dash_triton_launcher``: the same with the kernels
   launched by Triton's launcher instead of the CUDA driver calls of ``ops/shared/driver.py``;
-- the same three through ``torch.compile`` (``compiled_*``: the determinism-on one is rewritten
-  into ``dash.attention``);
+- the same three through ``torch.compile``, each on a graph of its own (``compiled_*``; the
+  rewrite puts ``dash.attention`` in ``compiled_dash``), and ``layers_*``: ``--layers`` attention
+  calls in one compiled graph, each on inputs of its own, as a model's layers are;
 - packed documents (4 of random length, 8192 tokens): ``varlen_attn`` determinism on, against
   ``dash_inductor.varlen_attention`` (CUDA only).
 
@@ -51,6 +52,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--launches", action="store_true")
     parser.add_argument("--no-compile", action="store_true", help="eager methods only")
+    parser.add_argument("--layers", type=int, default=12,
+                        help="attention calls in the layers_* methods' graph (default 12)")
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
@@ -73,7 +76,8 @@ def _launcher(name: str | None, replay: bool = True) -> Call:
     return setup
 
 
-def _dense_methods(device: str, compile_too: bool) -> dict[str, tuple[bool, Call, Setup]]:
+def _dense_methods(device: str, compile_too: bool, layers: int
+                   ) -> dict[str, tuple[bool, Call, Setup]]:
     """(determinism on, call, setup) by method name."""
     import torch
     import torch.nn.functional as F
@@ -114,17 +118,45 @@ def _dense_methods(device: str, compile_too: bool) -> dict[str, tuple[bool, Call
         methods["dash_triton_launcher"] = (True, eager(dash_inductor.attention),
                                            _launcher("triton", False))
     if compile_too:
-        for name, det in (("sdpa_off", False), ("sdpa_on", True), ("dash", True)):
-            def sdpa(q, k, v):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            # dash.attention comes from the rewrite; the SDPA baselines run with it off.
-            rewrite = "deterministic" if name == "dash" else "off"
+        methods.update(_compiled_methods(shape, dtype, device, layers, dash))
+    return methods
+
+
+def _compiled_methods(shape: tuple[int, ...], dtype, device: str, layers: int, dash: Setup
+                      ) -> dict[str, tuple[bool, Call, Setup]]:
+    """SDPA determinism off and on, and dash (the rewrite of determinism on), through
+    ``torch.compile``, each variant on a graph of its own (``methods.compile_own``):
+    ``compiled_*`` one attention on the same inputs at every call, ``layers_*`` ``layers``
+    attentions in one graph, each on inputs of its own as a model's layers are (a call's host
+    time covers them all)."""
+    import torch
+    import torch.nn.functional as F
+
+    import dash_inductor
+    import methods as m
+
+    sets = [tuple(torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+                  for _ in range(3)) for _ in range(layers)]
+    grads = [torch.randn(shape, device=device, dtype=dtype) for _ in range(layers)]
+
+    def attend(*tensors):
+        return [F.scaled_dot_product_attention(*tensors[i:i + 3], is_causal=True)
+                for i in range(0, len(tensors), 3)]
+
+    methods = {}
+    for name, det in (("sdpa_off", False), ("sdpa_on", True), ("dash", True)):
+        # dash.attention comes from the rewrite; the SDPA baselines run with it off.
+        rewrite = "deterministic" if name == "dash" else "off"
+        for prefix, count in (("compiled", 1), ("layers", layers)):
+            inputs = [t for s in sets[:count] for t in s]
+            compiled = m.compile_own(attend, f"{prefix}_{name}", dynamic=False)
+
+            def call(c=compiled, inputs=inputs, count=count) -> None:
+                torch.autograd.backward(c(*inputs), grads[:count])
             with dash_inductor.config.patch(rewrite=rewrite):
                 torch.use_deterministic_algorithms(det)
-                compiled = torch.compile(sdpa, dynamic=False)
-                compiled(q, k, v).backward(grad)  # compiles under this method's settings
-            methods[f"compiled_{name}"] = (det, lambda c=compiled: c(q, k, v).backward(grad),
-                                           dash if name == "dash" else None)
+                call()  # compiles under this method's settings
+            methods[f"{prefix}_{name}"] = (det, call, dash if name == "dash" else None)
     return methods
 
 
@@ -248,7 +280,7 @@ def _main(args: argparse.Namespace) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    methods = _dense_methods(device, not args.no_compile)
+    methods = _dense_methods(device, not args.no_compile, args.layers)
     methods.update(_varlen_methods(device))
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
     for _ in range(args.rounds):
@@ -280,8 +312,8 @@ def _main(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "host.json").write_text(json.dumps(
             {"device": name, "torch": torch.__version__, "triton": triton.__version__,
-             "calls": args.calls, "rounds": args.rounds, "rows": rows, "profile": profile,
-             "launches": launches},
+             "calls": args.calls, "rounds": args.rounds, "layers": args.layers,
+             "own_graphs": True, "rows": rows, "profile": profile, "launches": launches},
             indent=1))
     return 0
 

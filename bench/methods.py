@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 from typing import Any, Callable, ContextManager, Iterator
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -144,6 +145,18 @@ def determinism(enabled: bool, warn_only: bool = False) -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
+def compile_own(fn: Callable[..., Any], name: str, **options: Any) -> Callable[..., Any]:
+    """``torch.compile(fn, **options)`` under a code object of its own. Dynamo keeps compiled
+    graphs per code object and guards neither on a model instance nor on dash's rewrite setting,
+    so two variants compiled from one function or model class under determinism would otherwise
+    both run the first one's graph (SDPA with the rewrite off, say, in place of dash)."""
+    def own(*args: Any) -> Any:
+        return fn(*args)
+
+    own.__code__ = own.__code__.replace(co_name="compiled_" + re.sub(r"\W", "_", name))
+    return torch.compile(own, **options)
 
 
 def _sdpa(backend_name: str) -> Callable[[Tensor, Tensor, Tensor, Problem], Tensor]:

@@ -19,10 +19,10 @@ variants (``--no-nan-fill``: determinism on without PyTorch's NaN fill of every 
 
 Every variant is compiled and warmed up first, then the variants take turns for ``--rounds``
 rounds of ``--steps`` steps each, so that the host's and the GPU's drift reaches them alike
-(each variant compiles its own graph: ``compile_own``). It prints and writes the median step time
-(each step synchronised alone), the time and host time a step of steps run back to back (median
-over rounds), each variant's peak memory a step beyond what stays allocated, and the peak memory
-of one attention forward+backward alone (dash against SDPA: dash adds no N x N buffer, only O(N*d)
+(each variant compiles its own graph: ``methods.compile_own``). It prints and writes the median
+step time (each step synchronised alone), the time and host time a step of steps run back to
+back (median over rounds), each variant's peak memory a step beyond what stays allocated, and the
+peak memory of one attention forward+backward alone (dash against SDPA: dash adds no N x N buffer, only O(N*d)
 for the fp32 dQ accumulator and the tickets). The target is dash <= 1.05x the determinism-off step.
 """
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import statistics
 import sys
 import time
@@ -78,17 +77,6 @@ def time_back_to_back(train: Any, steps: int) -> tuple[float, float]:
     return 1e3 * (time.perf_counter() - start) / steps, 1e3 * host / steps
 
 
-def compile_own(model: torch.nn.Module, name: str, mode: str) -> Any:
-    """``torch.compile`` of ``model`` under a code object of its own. Dynamo keeps its graphs per
-    code object and guards neither on the model instance nor on dash's rewrite setting, so two
-    variants compiled from one class under determinism would otherwise share the first's graph."""
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        return model(tokens)
-
-    step.__code__ = step.__code__.replace(co_name="step_" + re.sub(r"\W", "_", name))
-    return torch.compile(step, mode=None if mode == "default" else mode)
-
-
 class Variant:
     """One variant's compiled model, optimizer and batch, and its timings so far."""
 
@@ -96,7 +84,8 @@ class Variant:
         self.name, self.mode = name, mode
         self.deterministic, self.warn_only, self.rewrite = {**VARIANTS, **CONTROL}[name]
         self.model = make_model(cfg)
-        self.compiled = compile_own(self.model, name, mode)
+        self.compiled = m.compile_own(self.model, name,
+                                      mode=None if mode == "default" else mode)
         self.optimizer = (torch.optim.AdamW(self.model.parameters(), lr=1e-4) if optimize
                           else None)
         generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)

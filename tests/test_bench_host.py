@@ -26,3 +26,25 @@ def test_host_bench_times_every_method_on_the_cpu(tmp_path):
     for row in methods.values():
         assert len(row["host_us_rounds"]) == 2 and 0 < row["host_us"] <= row["done_us"]
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_each_compiled_method_runs_its_own_graph():
+    """Dynamo keeps graphs per code object: without ``methods.compile_own`` the rewritten
+    determinism-on method would run the SDPA one's graph (both compiled under determinism).
+    Here dash's compiled methods call dash.attention at every layer and the SDPA ones never."""
+    import torch
+
+    from dash_inductor.library import op
+
+    saved = torch.are_deterministic_algorithms_enabled()
+    try:
+        methods = host._compiled_methods((1, 2, 32, 16), torch.float32, "cpu", 2, None)
+        for name, (det, call, _) in methods.items():
+            torch.use_deterministic_algorithms(det)
+            op._PLANS.clear()
+            call()
+            calls = 2 if name.startswith("layers") else 1
+            expected = ["backward"] * calls + ["forward"] * calls if name.endswith("dash") else []
+            assert sorted(plan.op for plan in op.last_plans()) == expected, name
+    finally:
+        torch.use_deterministic_algorithms(saved)
