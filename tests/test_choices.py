@@ -1,6 +1,6 @@
 """The backward's choices (schedule, kernel path, ...) are captured when the forward runs, travel
-with the op, reach the launcher, and come back as plans; the compiled path bakes them in and
-recompiles when they change."""
+with the op, reach the launcher, and come back as plans; the compiled path bakes them in, keeps
+them until its graph is dropped, and a new compile under other choices gets a graph of its own."""
 
 from __future__ import annotations
 
@@ -120,6 +120,23 @@ def test_compiled_graph_bakes_the_schedule_and_a_change_recompiles(deterministic
             assert ("'shift'" in code) == (schedule == "shift")
         with config.patch(schedule="shift"):
             assert rewrite.PRE_GRAD_PASS.uuid() != uuid
+
+
+def test_a_compiled_function_keeps_its_schedule_until_a_reset(deterministic_compile) -> None:
+    """Dynamo does not guard on dash's configuration: a function already compiled keeps the
+    schedule it was compiled with after a change (as the docs say), and takes the new one once
+    ``torch.compiler.reset()`` drops its graph."""
+    q, k, v = (t.detach().requires_grad_() for t in _qkv(seed=5))
+    compiled = torch.compile(_attend)
+    with config.patch(schedule="descending"):
+        compiled(q, k, v).sum().backward()
+    assert library.last_plans()[-1].schedule_requested == "descending"
+    with config.patch(schedule="shift"):
+        compiled(q, k, v).sum().backward()
+        assert library.last_plans()[-1].schedule_requested == "descending"
+        torch.compiler.reset()
+        compiled(q, k, v).sum().backward()
+        assert library.last_plans()[-1].schedule_requested == "shift"
 
 
 def test_explain_and_log_name_the_schedule_and_kernel_of_each_site(deterministic_compile,
