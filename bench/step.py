@@ -22,8 +22,9 @@ rounds of ``--steps`` steps each, so that the host's and the GPU's drift reaches
 (each variant compiles its own graph: ``methods.compile_own``). It prints and writes the median
 step time (each step synchronised alone), the time and host time a step of steps run back to
 back (median over rounds), each variant's peak memory a step beyond what stays allocated, and the
-peak memory of one attention forward+backward alone (dash against SDPA: dash adds no N x N buffer, only O(N*d)
-for the fp32 dQ accumulator and the tickets). The target is dash <= 1.05x the determinism-off step.
+peak memory of one attention forward+backward alone (dash against SDPA: dash adds no N x N
+buffer, only O(N*d) for the fp32 dQ accumulator and the tickets). The target is dash <= 1.05x the
+determinism-off step.
 """
 
 from __future__ import annotations
@@ -158,6 +159,11 @@ def time_variants(cfg: DemoConfig, mode: str, args: argparse.Namespace,
     """Every variant compiled and warmed up, then timed in ``args.rounds`` rounds in which the
     variants take turns, so that a drift of the host or the GPU reaches them alike."""
     rows, variants = {}, []
+
+    def failed(name: str, error: Exception) -> None:  # record and go on without the variant
+        rows[name]["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        bar.update(f"N={cfg.seq} {mode} {name}: FAILED")
+
     for name in {**VARIANTS, **(CONTROL if args.control else {})}:
         rows[name] = {"seq": cfg.seq, "batch": cfg.batch, "mode": mode, "variant": name}
         try:
@@ -165,12 +171,15 @@ def time_variants(cfg: DemoConfig, mode: str, args: argparse.Namespace,
             rows[name]["rewritten"] = variant.warm_up(args.warmup)
             variants.append(variant)
             bar.update(f"N={cfg.seq} B={cfg.batch} {mode} {name}: compiled")
-        except Exception as error:  # record and go on
-            rows[name]["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            bar.update(f"N={cfg.seq} {mode} {name}: FAILED")
+        except Exception as error:
+            failed(name, error)
     for _ in range(args.rounds):
-        for variant in variants:
-            variant.run_round(args.steps)
+        for variant in list(variants):
+            try:
+                variant.run_round(args.steps)
+            except Exception as error:
+                failed(variant.name, error)
+                variants.remove(variant)
     for variant in variants:
         rows[variant.name].update(variant.result(args.profile))
     del variants
