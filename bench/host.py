@@ -23,7 +23,9 @@ turns for ``--rounds`` rounds, and the median round is reported. Methods:
 
 ``--profile`` adds cProfile's functions with the most own time in dash's eager call;
 ``--launches`` (CUDA) the host time of each of dash's kernel launches alone, replayed with its
-last arguments, by the driver and by Triton's launcher.
+last arguments, by the driver and by Triton's launcher; ``--breakdown`` the host time of dash's
+forward and backward ops called alone, as a compiled graph calls them, and (CUDA) of the
+replayer's programs alone, on one input set and cycling through ``--layers`` sets.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--launches", action="store_true")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="host µs of dash's ops and of the replayer's programs called alone")
     parser.add_argument("--no-compile", action="store_true", help="eager methods only")
     parser.add_argument("--layers", type=int, default=12,
                         help="attention calls in the layers_* methods' graph (default 12)")
@@ -276,6 +280,61 @@ def _launches(call: Call, calls: int, rounds: int) -> list[dict]:
     return rows
 
 
+def _breakdown(device: str, calls: int, rounds: int, layers: int) -> list[dict]:
+    """Where a compiled call's host time goes: host µs of dash's forward and backward ops called
+    alone (as Inductor's graph calls them: the dispatcher, the op's Python kernel, the replay),
+    and on CUDA of the replayer's programs alone, each on one input set and cycling through
+    ``layers`` sets (new addresses at every call, as a model's layers give)."""
+    import torch
+
+    import dash_inductor
+    from dash_inductor.library import signatures
+    from dash_inductor.library.op import op_options
+    from dash_inductor.ops.shared import native
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shape = (2, 16, 1024, 64) if device == "cuda" else (1, 2, 64, 16)
+    torch.use_deterministic_algorithms(True)
+    _launcher(None)()
+    options = op_options(dash_inductor.config.choices())
+    sets = [[torch.randn(shape, device=device, dtype=dtype) for _ in range(4)]
+            for _ in range(layers)]
+    with torch.no_grad():
+        for t in sets:  # out and logsumexp; the signature's programs recorded (third call on)
+            for _ in range(3):
+                t[4:] = torch.ops.dash.attention(*t[:3], None, 0.0, True, **options)
+                torch.ops.dash.attention_backward(t[3], *t[:3], *t[4:], None, True, None, False,
+                                                  **options)
+    flags = (True, None, False, tuple(options["window_size"]))
+    signature = signatures.lookup(signatures.key(*sets[0][:3], flags, tuple(
+        dash_inductor.config.choices().values())))
+    module = native.loaded()
+    handle = signature.handle if signature is not None and module is not None else -1
+    steps = {
+        "op forward": lambda t: torch.ops.dash.attention(*t[:3], None, 0.0, True, **options),
+        "op backward": lambda t: torch.ops.dash.attention_backward(
+            t[3], *t[:3], *t[4:], None, True, None, False, **options)}
+    if handle >= 0:
+        steps["replayed forward program"] = lambda t: module.run_forward(handle, *t[:3])
+        steps["replayed backward program"] = lambda t: module.run_backward(handle, t[3], *t[:3],
+                                                                           *t[4:])
+    rows = []
+    with torch.no_grad():
+        for name, step in steps.items():
+            for cycle in (sets[:1], sets):
+                times = []
+                for _ in range(rounds):
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for i in range(calls):
+                        step(cycle[i % len(cycle)])
+                    times.append(1e6 * (time.perf_counter() - start) / calls)
+                rows.append({"step": name, "input_sets": len(cycle),
+                             "host_us": statistics.median(times), "host_us_rounds": times})
+    return rows
+
+
 def _main(args: argparse.Namespace) -> int:
     import torch
 
@@ -308,12 +367,17 @@ def _main(args: argparse.Namespace) -> int:
     for row in launches:
         print(f"{row['launcher']:<8}{row['slot']:<14}{str(row['grid']):<12}"
               f"{row['host_us']:>8.1f} us a launch alone")
+    breakdown = (_breakdown(device, args.calls, args.rounds, args.layers) if args.breakdown
+                 else [])
+    for row in breakdown:
+        print(f"{row['step']:<28}{row['input_sets']:>3} input sets{row['host_us']:>9.1f} us a call")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "host.json").write_text(json.dumps(
             {"device": name, "torch": torch.__version__, "triton": triton.__version__,
              "calls": args.calls, "rounds": args.rounds, "layers": args.layers,
-             "own_graphs": True, "rows": rows, "profile": profile, "launches": launches},
+             "own_graphs": True, "rows": rows, "profile": profile, "launches": launches,
+             "breakdown": breakdown},
             indent=1))
     return 0
 

@@ -1,6 +1,6 @@
 """bench/host.py on the CPU, on tiny shapes (a check that the script runs and writes its table,
-not a measurement): every method times, the JSON has its rounds, and the determinism mode the
-methods switch is restored."""
+not a measurement): every method times, the JSON has its rounds and the breakdown's rows, the
+determinism mode the methods switch is restored, and each compiled variant runs its own graph."""
 
 from __future__ import annotations
 
@@ -19,12 +19,15 @@ def test_host_bench_times_every_method_on_the_cpu(tmp_path):
 
     assert not torch.are_deterministic_algorithms_enabled()
     assert host.main(["--device", "cpu", "--calls", "2", "--rounds", "2", "--no-compile",
-                      "--out", str(tmp_path)]) == 0
+                      "--breakdown", "--layers", "2", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "host.json").read_text())
     methods = {row["method"]: row for row in result["rows"]}
     assert set(methods) == {"sdpa_off", "sdpa_on", "floor", "dash", "varlen_dash"}
     for row in methods.values():
         assert len(row["host_us_rounds"]) == 2 and 0 < row["host_us"] <= row["done_us"]
+    steps = {(row["step"], row["input_sets"]) for row in result["breakdown"]}
+    assert steps == {(step, sets) for step in ("op forward", "op backward") for sets in (1, 2)}
+    assert all(row["host_us"] > 0 for row in result["breakdown"])
     assert not torch.are_deterministic_algorithms_enabled()
 
 
