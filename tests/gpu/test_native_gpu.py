@@ -100,12 +100,12 @@ def test_inputs_that_come_back_to_earlier_addresses_read_their_own_memory(module
         out.backward(inputs[3])
         return out.detach().clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()
 
-    native.ENABLED = False
+    enabled, native.ENABLED = native.ENABLED, False
     cache_clear()
     try:
         expected = [call(inputs) for inputs in leaves]
     finally:
-        native.ENABLED = True
+        native.ENABLED = enabled
         cache_clear()
     before = module.journal()[-1][0] if module.journal() else -1
     for _ in range(4):
