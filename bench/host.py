@@ -296,7 +296,8 @@ def _breakdown(device: str, calls: int, rounds: int, layers: int) -> list[dict]:
     shape = (2, 16, 1024, 64) if device == "cuda" else (1, 2, 64, 16)
     torch.use_deterministic_algorithms(True)
     _launcher(None)()
-    options = op_options(dash_inductor.config.choices())
+    choices = dash_inductor.config.choices()
+    options = op_options(choices)
     sets = [[torch.randn(shape, device=device, dtype=dtype) for _ in range(4)]
             for _ in range(layers)]
     with torch.no_grad():
@@ -306,8 +307,7 @@ def _breakdown(device: str, calls: int, rounds: int, layers: int) -> list[dict]:
                 torch.ops.dash.attention_backward(t[3], *t[:3], *t[4:], None, True, None, False,
                                                   **options)
     flags = (True, None, False, tuple(options["window_size"]))
-    signature = signatures.lookup(signatures.key(*sets[0][:3], flags, tuple(
-        dash_inductor.config.choices().values())))
+    signature = signatures.lookup(signatures.key(*sets[0][:3], flags, tuple(choices.values())))
     module = native.loaded()
     handle = signature.handle if signature is not None and module is not None else -1
     steps = {

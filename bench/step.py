@@ -62,6 +62,12 @@ VARIANTS = {
 #: non-deterministic backward while the rest of the model pays what deterministic mode costs it
 #: (Inductor's deterministic lowerings, the NaN fill of new tensors).
 CONTROL = {"determinism on, cuDNN attention": (True, True, "off")}
+
+
+def variants(control: bool) -> dict[str, tuple[bool, bool, str]]:
+    """The variants a run times: :data:`VARIANTS`, and :data:`CONTROL` with ``--control``."""
+    return {**VARIANTS, **(CONTROL if control else {})}
+
 GIB = 1024 ** 3
 
 
@@ -83,7 +89,7 @@ class Variant:
 
     def __init__(self, cfg: DemoConfig, name: str, mode: str, optimize: bool) -> None:
         self.name, self.mode = name, mode
-        self.deterministic, self.warn_only, self.rewrite = {**VARIANTS, **CONTROL}[name]
+        self.deterministic, self.warn_only, self.rewrite = variants(True)[name]
         self.model = make_model(cfg)
         self.compiled = m.compile_own(self.model, name,
                                       mode=None if mode == "default" else mode)
@@ -158,31 +164,31 @@ def time_variants(cfg: DemoConfig, mode: str, args: argparse.Namespace,
                   bar: ProgressBar) -> list[dict[str, Any]]:
     """Every variant compiled and warmed up, then timed in ``args.rounds`` rounds in which the
     variants take turns, so that a drift of the host or the GPU reaches them alike."""
-    rows, variants = {}, []
+    rows, running = {}, []
 
     def failed(name: str, error: Exception) -> None:  # record and go on without the variant
         rows[name]["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
         bar.update(f"N={cfg.seq} {mode} {name}: FAILED")
 
-    for name in {**VARIANTS, **(CONTROL if args.control else {})}:
+    for name in variants(args.control):
         rows[name] = {"seq": cfg.seq, "batch": cfg.batch, "mode": mode, "variant": name}
         try:
             variant = Variant(cfg, name, mode, optimize=not args.no_optimizer)
             rows[name]["rewritten"] = variant.warm_up(args.warmup)
-            variants.append(variant)
+            running.append(variant)
             bar.update(f"N={cfg.seq} B={cfg.batch} {mode} {name}: compiled")
         except Exception as error:
             failed(name, error)
     for _ in range(args.rounds):
-        for variant in list(variants):
+        for variant in list(running):
             try:
                 variant.run_round(args.steps)
             except Exception as error:
                 failed(variant.name, error)
-                variants.remove(variant)
-    for variant in variants:
+                running.remove(variant)
+    for variant in running:
         rows[variant.name].update(variant.result(args.profile))
-    del variants
+    del running
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     return list(rows.values())
@@ -279,8 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}: {args.layers} layers, "
           f"d_model {args.d_model}, {args.heads} heads, bf16, modes {modes}")
     rows, memory = [], []
-    bar = ProgressBar(len(seqs) * len(modes) * (len(VARIANTS) + len(CONTROL) * args.control),
-                      "step")
+    bar = ProgressBar(len(seqs) * len(modes) * len(variants(args.control)), "step")
     for seq in seqs:
         cfg = DemoConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, seq=seq,
                          batch=args.batch or max(args.tokens // seq, 1), steps=args.steps,
