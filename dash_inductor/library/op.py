@@ -300,6 +300,21 @@ for _device in ("CPU", "CUDA"):
     _LIB.impl("attention_backward", _attention_backward_kernel, _device)
 
 
+def _positional(op, kernel):
+    """``kernel`` called with every argument of ``op`` positionally, as the C++ kernels pass them."""
+    arguments = op._opoverload._schema.arguments
+    first = next(i for i, a in enumerate(arguments) if a.kwarg_only)
+    names = [a.name for a in arguments[first:]]
+
+    def call(*args):
+        return kernel(*args[:first], **dict(zip(names, args[first:])))
+    return call
+
+
+signatures.set_op_kernels(_positional(attention_op, _attention_kernel),
+                          _positional(attention_backward_op, _attention_backward_kernel))
+
+
 @torch.library.custom_op(
     "dash::attention_mask_grad", mutates_args=(),
     schema=("(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor logsumexp, "

@@ -10,7 +10,9 @@ Both public entries use it: the eager ``autograd.Function`` and the op's kernels
 
 On CUDA a signature's calls are also recorded, once their plans exist, as programs that the C++
 replayer runs (``ops/shared/tape.py``, ``native.cpp``): the eager entry then calls it directly,
-forward and backward, with no Python between the launches.
+forward and backward, with no Python between the launches, and the ops' C++ kernels
+(``native_ops.h``, installed over the Python ones at the first recording) run a bound call's
+programs without entering Python at all, as a compiled graph calls them.
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ class Signature:
             module.set_fallback(_FALLBACK[0])
             self.handle = module.new_signature(module.Program(*program))
             _BY_HANDLE[self.handle] = self
+            _bind(module, self, q, k, v)
         return out, lse, ran[2]
 
     def backward_recorded(self, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -175,6 +178,7 @@ class Signature:
             self.native_plans.append(plan)
             if plan.schedule is not None and plan.schedule.ordered:
                 self.watch = (errors.spin_flag(q.device), plan)
+                module.set_watched(self.handle)
         return tuple(grads), plan
 
 
@@ -185,6 +189,35 @@ _FALLBACK: list[Callable | None] = [None]
 #: Recorded signatures by the replayer's handle (kept with the replayer's own table: a graph
 #: built before a ``clear`` may still run a backward under an old handle).
 _BY_HANDLE: dict[int, Signature] = {}
+#: The ops' Python kernels, taking every argument positionally (``op.py`` sets them): where the
+#: ops' C++ kernels find no bound call, they call these.
+_OP_KERNELS: list[Callable] = []
+_INSTALLED = [False]
+
+
+def set_op_kernels(forward: Callable, backward: Callable) -> None:
+    _OP_KERNELS[:] = [forward, backward]
+
+
+def _watch(handle: int) -> None:
+    """The C++ backward kernel's call after an ordered backward: its bounded waits, watched."""
+    signature = _BY_HANDLE.get(handle)
+    if signature is not None and signature.watch is not None:
+        errors.watch_spin_flag(*signature.watch)
+
+
+def _bind(module, signature: Signature, q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Let the ops' C++ kernels replay calls like this one (installing them at the first)."""
+    if not _OP_KERNELS:
+        return
+    if not _INSTALLED[0]:
+        module.install_ops("CUDA", *_OP_KERNELS, native.launch_hooked, _watch)
+        _INSTALLED[0] = True
+    (is_causal, scale, enable_gqa, window), (schedule, max_spin, cpu_backend, kernel) = \
+        signature.call
+    module.bind(signature.handle, q=q, k=k, v=v, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa, window_size=list(window), schedule=schedule,
+                max_spin=max_spin, cpu_backend=cpu_backend, kernel_path=kernel)
 
 
 def key(q: Tensor, k: Tensor, v: Tensor, flags: tuple, choices: tuple) -> tuple:
@@ -217,7 +250,7 @@ def remember(signature_key: tuple, c: Canonical, q: Tensor, k: Tensor, v: Tensor
             and k.shape[2] > 0 and uses_triton(q, cpu_backend)):
         return None
     if len(_SIGNATURES) >= _MAXSIZE:
-        _SIGNATURES.clear()
+        clear()
     signature = _SIGNATURES[signature_key] = Signature(c, call)
     return signature
 
@@ -227,15 +260,24 @@ def by_handle(handle: int) -> Signature:
 
 
 def native_plan(handle: int, index: int) -> Plan | None:
-    """The plan of a signature's recorded backward, or None for a handle that no signature made
-    (a program built directly, as tests do)."""
+    """The plan of a signature's recorded forward (index -1) or backward, or None for a handle
+    that no signature made (a program built directly, as tests do)."""
     signature = _BY_HANDLE.get(handle)
-    return None if signature is None else signature.native_plans[index]
+    if signature is None:
+        return None
+    return signature.forward_plan if index < 0 else signature.native_plans[index]
 
 
 def clear() -> None:
-    """Forget every signature and the plans it holds (``dash_inductor.ops.cache_clear`` too)."""
+    """Forget every signature and the plans it holds (``dash_inductor.ops.cache_clear`` too), and
+    the calls the ops' C++ kernels replay; with the replayer switched off, those kernels too."""
     _SIGNATURES.clear()
+    module = native.loaded()
+    if module is not None:
+        module.unbind_all()
+        if _INSTALLED[0] and not native.ENABLED:
+            module.uninstall_ops()
+            _INSTALLED[0] = False
 
 
 HOLDERS.append(clear)

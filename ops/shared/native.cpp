@@ -1,19 +1,18 @@
 // The C++ side of the replayer: recorded programs (native_program.h) kept by signature, a
-// forward program and backward programs by the gradient's layout, and an autograd function whose
-// forward and backward are such programs. A repeated eager call then costs what a PyTorch op costs
-// on the host: no Python frame in its backward, none in its launches.
+// forward program and backward programs by the gradient's layout (native_table.h), an autograd
+// function whose forward and backward are such programs, and the ops' dispatcher kernels that run
+// them (native_ops.h). A repeated call, eager or compiled, then costs what a PyTorch op costs on
+// the host: no Python frame in its launches.
 
 #include <torch/extension.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <array>
-#include <atomic>
-#include <deque>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "native_ops.h"
 #include "native_program.h"
+#include "native_table.h"
 
 namespace py = pybind11;
 using at::Tensor;
@@ -23,57 +22,9 @@ using torch::autograd::variable_list;
 
 namespace {
 
-// ---- signatures: a forward program and backward programs by the gradient's layout ----
-
-std::vector<int64_t> layout_key(const Tensor& grad_out, const Tensor& out, const Tensor& lse) {
-  std::vector<int64_t> key;
-  for (const Tensor* t : {&grad_out, &out, &lse}) {
-    auto strides = t->strides();
-    key.insert(key.end(), strides.begin(), strides.end());
-    key.push_back(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16);
-    key.push_back(static_cast<int64_t>(t->scalar_type()));
-  }
-  key.push_back(at::globalContext().allowTF32CuBLAS() ? 1 : 0);
-  return key;
-}
-
-struct Signature {
-  std::shared_ptr<Program> forward;
-  std::vector<std::pair<std::vector<int64_t>, std::shared_ptr<Program>>> backward;
-  std::mutex mutex;
-
-  std::pair<int64_t, std::shared_ptr<Program>> backward_for(const std::vector<int64_t>& key) {
-    std::lock_guard<std::mutex> lock(mutex);
-    for (size_t i = 0; i < backward.size(); ++i) {
-      if (backward[i].first == key) return {static_cast<int64_t>(i), backward[i].second};
-    }
-    return {-1, nullptr};
-  }
-};
-
-std::mutex table_mutex;
-std::deque<std::shared_ptr<Signature>> table;  // by handle; kept while a graph may hold one
-
-std::shared_ptr<Signature> signature(int64_t handle) {
-  std::lock_guard<std::mutex> lock(table_mutex);
-  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(table.size()),
-              "dash attention: no native signature ", handle);
-  return table[handle];
-}
-
-// The journal: which programs ran, numbered in one sequence with the host's records, so that
-// ``last_plans()`` keeps the order of forward and backward calls.
-std::atomic<int64_t> sequence{0};
-std::mutex journal_mutex;
-std::deque<std::array<int64_t, 3>> journal;  // (sequence, handle, backward index)
-constexpr size_t kJournal = 16;
-
-void note_backward(int64_t handle, int64_t index) {
-  int64_t number = sequence.fetch_add(1);
-  std::lock_guard<std::mutex> lock(journal_mutex);
-  journal.push_back({number, handle, index});
-  if (journal.size() > kJournal) journal.pop_front();
-}
+using dash_replay::layout_key;
+using dash_replay::note;
+using dash_replay::signature;
 
 // Python's backward for a layout (or a graph) with no program yet; never destroyed, so that no
 // Python object dies after the interpreter.
@@ -99,7 +50,7 @@ struct Attention : public torch::autograd::Function<Attention> {
     std::vector<Tensor> result;
     if (found.second) {
       result = found.second->run({grad_out, saved[0], saved[1], saved[2], saved[3], saved[4]});
-      note_backward(handle, found.first);
+      note(handle, found.first);
     } else {
       py::gil_scoped_acquire gil;
       result = (*fallback)(handle, grad_out, saved[0], saved[1], saved[2], saved[3], saved[4])
@@ -116,10 +67,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, py::list, std::vector<int64_t>, std::vector<Tensor>>())
       .def("run", &Program::run, py::call_guard<py::gil_scoped_release>());
   m.def("new_signature", [](std::shared_ptr<Program> forward) {
-    std::lock_guard<std::mutex> lock(table_mutex);
-    table.push_back(std::make_shared<Signature>());
-    table.back()->forward = std::move(forward);
-    return static_cast<int64_t>(table.size()) - 1;
+    auto& table = dash_replay::table();
+    std::lock_guard<std::mutex> lock(table.mutex);
+    table.signatures.push_back(std::make_shared<dash_replay::Signature>());
+    table.signatures.back()->forward = std::move(forward);
+    return static_cast<int64_t>(table.signatures.size()) - 1;
   });
   m.def("add_backward", [](int64_t handle, std::vector<int64_t> key,
                            std::shared_ptr<Program> program) {
@@ -145,14 +97,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::make_tuple(found.first, grads[0], grads[1], grads[2]);
   });
   m.def("layout_key", &layout_key);
-  m.def("next_sequence", [] { return sequence.fetch_add(1); });
-  m.def("start_sequence", [](int64_t first) { sequence = first; });
+  m.def("next_sequence", [] { return dash_replay::journal().sequence.fetch_add(1); });
+  m.def("start_sequence", [](int64_t first) { dash_replay::journal().sequence = first; });
   m.def("journal", [] {
-    std::lock_guard<std::mutex> lock(journal_mutex);
-    return std::vector<std::array<int64_t, 3>>(journal.begin(), journal.end());
+    auto& journal = dash_replay::journal();
+    std::lock_guard<std::mutex> lock(journal.mutex);
+    return std::vector<std::array<int64_t, 3>>(journal.entries.begin(), journal.entries.end());
   });
   m.def("set_fallback", [](py::object callable) { *fallback = std::move(callable); });
   m.def("attention", [](const Tensor& q, const Tensor& k, const Tensor& v, int64_t handle) {
     return Attention::apply(q, k, v, handle);
   }, py::call_guard<py::gil_scoped_release>());
+  // The ops' kernels at dispatch key ``key`` ("CUDA"), over the Python kernels (forward,
+  // backward: called with every argument positionally), and the calls they replay.
+  m.def("install_ops", &dash_replay::install);
+  m.def("uninstall_ops", &dash_replay::uninstall);
+  m.def("bind", [](int64_t handle, const py::kwargs& given) {
+    const auto& schema =
+        c10::Dispatcher::singleton().findSchemaOrThrow("dash::attention", "").schema();
+    std::vector<c10::IValue> args;  // the op's arguments in schema order, defaults filled in
+    for (const auto& argument : schema.arguments()) {
+      const char* name = argument.name().c_str();
+      if (given.contains(name)) {
+        args.push_back(torch::jit::toIValue(given[name], argument.real_type()));
+      } else {
+        TORCH_CHECK(argument.default_value().has_value(), "dash attention: bind needs ", name);
+        args.push_back(*argument.default_value());
+      }
+    }
+    dash_replay::bind(handle, args.data());
+  });
+  m.def("unbind_all", &dash_replay::unbind_all);
+  m.def("set_watched", [](int64_t handle) { signature(handle)->watched = true; });
 }

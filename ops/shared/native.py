@@ -1,4 +1,4 @@
-"""The C++ replayer of recorded programs (``native.cpp``), built once per torch version.
+"""The C++ replayer of recorded programs (``native.cpp``), built once per torch version and source.
 
 PyTorch builds it with the host's C++ compiler on first use (``torch.utils.cpp_extension``,
 cached under ``TORCH_EXTENSIONS_DIR``), in a thread of its own: calls take the Python path until
@@ -9,6 +9,7 @@ warning says why, once.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import re
@@ -30,6 +31,8 @@ if _SETTING not in ("0", "1"):
 ENABLED = _SETTING == "1"
 
 _SOURCE = Path(__file__).with_name("native.cpp")
+#: What the build reads: the headers too, which PyTorch's rebuild check does not hash.
+_FILES = [_SOURCE, *(_SOURCE.with_name(f"native_{part}.h") for part in ("ops", "program", "table"))]
 _module: ModuleType | None = None
 _failed: str | None = None
 _building: threading.Thread | None = None
@@ -41,7 +44,8 @@ def _build() -> None:
     global _module, _failed
     from torch.utils import cpp_extension
 
-    name = "dash_native_" + re.sub(r"\W", "_", torch.__version__)
+    digest = hashlib.sha1(b"".join(path.read_bytes() for path in _FILES)).hexdigest()[:12]
+    name = f"dash_native_{re.sub(r'[^A-Za-z0-9]', '_', torch.__version__)}_{digest}"
     try:
         module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"],
                                     verbose=False)
