@@ -154,6 +154,33 @@ def step(path: str) -> str:
                f"{_span(sdpa_ratio, 2)}×\n" if len(body) > 1 and len(modes) == 1 else ""))
 
 
+def step_control(*paths: str) -> str:
+    """bench/step.py's JSON with ``--control``, a row per run: steps timed alone and back to back,
+    dash against determinism off and against the control (determinism on, cuDNN's attention):
+    dash / control is attention's share of a gap, control / off what determinism costs the rest."""
+    runs = [_load(p) for p in paths]
+    names = ("dash (determinism on)", "SDPA (determinism on)", "determinism off",
+             "determinism on, cuDNN attention")
+    body = []
+    for run in runs:
+        by = {(s["seq"], s["batch"], s["mode"], s["variant"]): s for s in run["steps"]}
+        for case in dict.fromkeys((s["seq"], s["batch"], s["mode"]) for s in run["steps"]):
+            dash, on, off, control = (by[(*case, name)] for name in names)
+            body.append([*map(str, case), *(f"{r['step_ms']:.1f}" for r in (dash, on, off, control)),
+                         f"{dash['step_ms'] / off['step_ms']:.2f}",
+                         " / ".join(f"{r['back_to_back_ms']:.1f}" for r in (dash, off, control)),
+                         f"{dash['back_to_back_ms'] / off['back_to_back_ms']:.2f}",
+                         f"{dash['back_to_back_ms'] / control['back_to_back_ms']:.2f}"])
+    header = ["N", "B", "mode", "dash ms", "SDPA det. on ms", "det. off ms", "control ms",
+              "dash / off", "back to back ms (dash / off / control)", "dash / off",
+              "dash / control"]
+    env, args = runs[0]["environment"], runs[0]["args"]
+    shape = (f" · {args['layers']} layers, d_model {args['d_model']}, {args['heads']} heads"
+             f"{', no optimizer' if args.get('no_optimizer') else ', AdamW'}")
+    return (_where(list(paths), env["gpu"], env["torch"], env["triton"], shape) + "\n"
+            + _table(header, body))
+
+
 def fa4(*paths: str) -> str:
     """bench/run.py's JSON with FlashAttention-4's methods: backward and forward TFLOP/s of
     cuDNN, FA4 (non-deterministic and deterministic) and dash's auto schedule."""
@@ -286,7 +313,7 @@ def determinism(path: str) -> str:
 
 
 KINDS: dict[str, Callable[..., str]] = {f.__name__: f for f in (
-    grid, hopper, step, packed, host, provider, distributed, determinism, fa4)}
+    grid, hopper, step, step_control, packed, host, provider, distributed, determinism, fa4)}
 
 
 def render(text: str) -> str:
