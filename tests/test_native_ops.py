@@ -29,7 +29,7 @@ def module():
 @pytest.fixture
 def installed(module):
     """The ops' C++ kernels at the CPU key, over the Python ones, for one test."""
-    module.install_ops("CPU", *signatures._OP_KERNELS, native.launch_hooked, signatures._watch)
+    signatures.install_ops(module, "CPU")
     try:
         yield module
     finally:
@@ -91,8 +91,7 @@ def test_any_other_call_goes_to_the_python_kernel(installed, change):
     try:
         expected = torch.ops.dash.attention(*args, **kwargs)
     finally:
-        installed.install_ops("CPU", *signatures._OP_KERNELS, native.launch_hooked,
-                              signatures._watch)
+        signatures.install_ops(installed, "CPU")
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
 
@@ -140,4 +139,42 @@ def test_a_launch_hook_clearing_and_uninstalling_each_stop_the_replay(installed)
     installed.uninstall_ops()
     torch.ops.dash.attention(q, k, v, None, 0.0, True)
     assert installed.journal() == before
-    installed.install_ops("CPU", *signatures._OP_KERNELS, native.launch_hooked, signatures._watch)
+    signatures.install_ops(installed, "CPU")
+
+
+def test_the_autograd_kernel_passes_gradients_and_skips_python_without_them(module):
+    """Below torch.library's Python autograd kernel: a call that wants no gradient goes below
+    autograd in C++ (that kernel never runs); one that wants them gets its gradients from it, the
+    same bits as without the C++ kernels; the backward op still refuses a double backward."""
+    forward, backward, forward_autograd, backward_autograd = signatures._OP_KERNELS
+    if forward_autograd is None:
+        pytest.skip("this torch has no torch._library.autograd.make_autograd_impl")
+    calls = []
+
+    def counted(*args):
+        calls.append(len(args))
+        return forward_autograd(*args)
+
+    q, k, v, g = _inputs(12)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.ops.dash.attention(*leaves, None, 0.0, True)[0].backward(g)
+    expected = [leaf.grad for leaf in leaves]
+    module.install_ops("CPU", forward, backward, native.launch_hooked, signatures._watch,
+                       counted, backward_autograd)
+    try:
+        out = torch.ops.dash.attention(q, k, v, None, 0.0, True)[0]
+        assert calls == []
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        got = torch.ops.dash.attention(*leaves, None, 0.0, True)[0]
+        assert len(calls) == 1 and torch.equal(got.detach(), out)
+        got.backward(g)
+        for leaf, grad in zip(leaves, expected):
+            assert torch.equal(leaf.grad, grad)
+        _, lse = torch.ops.dash.attention(q, k, v, None, 0.0, True)
+        wanted = g.clone().requires_grad_()
+        grads = torch.ops.dash.attention_backward(wanted, q, k, v, out, lse, None, True, None,
+                                                  False)
+        with pytest.raises(RuntimeError, match="no double backward"):
+            grads[0].sum().backward()
+    finally:
+        module.uninstall_ops()

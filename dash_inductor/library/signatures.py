@@ -189,14 +189,23 @@ _FALLBACK: list[Callable | None] = [None]
 #: Recorded signatures by the replayer's handle (kept with the replayer's own table: a graph
 #: built before a ``clear`` may still run a backward under an old handle).
 _BY_HANDLE: dict[int, Signature] = {}
-#: The ops' Python kernels, taking every argument positionally (``op.py`` sets them): where the
-#: ops' C++ kernels find no bound call, they call these.
-_OP_KERNELS: list[Callable] = []
+#: The ops' Python kernels and torch.library's autograd kernels of them (None where this torch
+#: cannot make those), taking every argument positionally (``op.py`` sets them): the ops' C++
+#: kernels call them for what they do not replay.
+_OP_KERNELS: list[Callable | None] = []
 _INSTALLED = [False]
 
 
-def set_op_kernels(forward: Callable, backward: Callable) -> None:
-    _OP_KERNELS[:] = [forward, backward]
+def set_op_kernels(forward: Callable, backward: Callable, forward_autograd: Callable | None,
+                   backward_autograd: Callable | None) -> None:
+    _OP_KERNELS[:] = [forward, backward, forward_autograd, backward_autograd]
+
+
+def install_ops(module, key: str) -> None:
+    """The ops' C++ kernels at dispatch key ``key`` and its autograd key, over the Python ones."""
+    forward, backward, forward_autograd, backward_autograd = _OP_KERNELS
+    module.install_ops(key, forward, backward, native.launch_hooked, _watch, forward_autograd,
+                       backward_autograd)
 
 
 def _watch(handle: int) -> None:
@@ -211,7 +220,7 @@ def _bind(module, signature: Signature, q: Tensor, k: Tensor, v: Tensor) -> None
     if not _OP_KERNELS:
         return
     if not _INSTALLED[0]:
-        module.install_ops("CUDA", *_OP_KERNELS, native.launch_hooked, _watch)
+        install_ops(module, "CUDA")
         _INSTALLED[0] = True
     (is_causal, scale, enable_gqa, window), (schedule, max_spin, cpu_backend, kernel) = \
         signature.call

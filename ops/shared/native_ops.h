@@ -100,10 +100,12 @@ struct OpState {
   std::mutex mutex;
   std::unordered_map<CallKey, int64_t, CallKeyHash> bound;  // key -> handle
   py::object forward_fallback, backward_fallback;  // the ops' Python kernels, positionally
+  // torch.library's Python autograd kernels, (keyset, *arguments): for calls that want gradients
+  py::object forward_autograd, backward_autograd;
   py::object hooked;  // () -> bool: Triton's launch hooks are set (they see Python's launches)
   py::object watch;  // (handle) -> None: an ordered backward's bounded waits, watched
   std::unique_ptr<Positions> forward_at, backward_at;
-  std::unique_ptr<torch::Library> library;
+  std::unique_ptr<torch::Library> library, autograd_library;
 };
 
 inline OpState& op_state() {
@@ -144,8 +146,8 @@ inline void forward_kernel(const c10::OperatorHandle&, c10::DispatchKeySet,
   const c10::IValue* args = stack->data() + stack->size() - at.count;
   int64_t handle = bound_handle(at, args);
   if (handle < 0 || launch_hooked()) return call_python(state.forward_fallback, at.count, stack);
-  auto outputs = signature(handle)->forward->run({args[at.q].toTensor(), args[at.k].toTensor(),
-                                      args[at.v].toTensor()});
+  auto outputs = signature(handle)->forward->run(
+      {args[at.q].toTensor(), args[at.k].toTensor(), args[at.v].toTensor()});
   note(handle, -1);
   torch::jit::drop(*stack, at.count);
   stack->emplace_back(std::move(outputs[0]));
@@ -178,15 +180,45 @@ inline void backward_kernel(const c10::OperatorHandle&, c10::DispatchKeySet,
   for (auto& grad : grads) stack->emplace_back(std::move(grad));
 }
 
+// A custom op's autograd kernel is torch.library's Python function, which runs even where no
+// gradient is wanted (always so in a compiled graph): such a call goes below autograd from C++,
+// any other to that function.
+template <bool kBackward>
+void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                     torch::jit::Stack* stack) {
+  OpState& state = op_state();
+  const size_t count = (kBackward ? state.backward_at : state.forward_at)->count;
+  const c10::IValue* args = stack->data() + stack->size() - count;
+  bool wanted = false;
+  if (c10::GradMode::is_enabled()) {
+    for (size_t i = 0; i < count && !wanted; ++i) {
+      wanted = args[i].isTensor() && args[i].toTensor().requires_grad();
+    }
+  }
+  if (!wanted) {
+    at::AutoDispatchBelowAutograd below;
+    op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  py::tuple call(count + 1);
+  call[0] = py::cast(keys);
+  for (size_t i = 0; i < count; ++i) call[i + 1] = torch::jit::toPyObject(args[i]);
+  py::tuple results = (kBackward ? state.backward_autograd : state.forward_autograd)(*call);
+  torch::jit::drop(*stack, count);
+  for (const auto& result : results) stack->emplace_back(result.cast<Tensor>());
+}
+
 class QuietWarnings : public c10::WarningHandler {  // the override below is the point
  public:
   void process(const c10::Warning&) override {}
 };
 
-// Put the kernels above the Python ones at ``key`` (a registration of its own, removed again by
-// ``uninstall``: the Python kernels below it then take every call again).
+// Put the kernels above the Python ones at ``key`` and its autograd key (registrations of their
+// own, removed again by ``uninstall``: the Python kernels below them then take every call again).
 inline void install(const std::string& key, py::object forward, py::object backward,
-                    py::object hooked, py::object watch) {
+                    py::object hooked, py::object watch, py::object forward_autograd,
+                    py::object backward_autograd) {
   OpState& state = op_state();
   if (state.library) return;
   auto& dispatcher = c10::Dispatcher::singleton();
@@ -198,6 +230,8 @@ inline void install(const std::string& key, py::object forward, py::object backw
   state.backward_fallback = std::move(backward);
   state.hooked = std::move(hooked);
   state.watch = std::move(watch);
+  state.forward_autograd = std::move(forward_autograd);
+  state.backward_autograd = std::move(backward_autograd);
   QuietWarnings quiet;
   c10::WarningUtils::WarningHandlerGuard guard(&quiet);
   state.library = std::make_unique<torch::Library>(
@@ -205,9 +239,17 @@ inline void install(const std::string& key, py::object forward, py::object backw
   state.library->impl("attention", torch::CppFunction::makeFromBoxedFunction<&forward_kernel>());
   state.library->impl("attention_backward",
                       torch::CppFunction::makeFromBoxedFunction<&backward_kernel>());
+  if (state.forward_autograd.is_none()) return;  // this torch's autograd kernels stay
+  state.autograd_library = std::make_unique<torch::Library>(
+      torch::Library::IMPL, "dash", c10::parseDispatchKey("Autograd" + key), __FILE__, __LINE__);
+  state.autograd_library->impl(
+      "attention", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<false>>());
+  state.autograd_library->impl(
+      "attention_backward", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<true>>());
 }
 
 inline void uninstall() {
+  op_state().autograd_library.reset();
   op_state().library.reset();
 }
 
