@@ -11,25 +11,16 @@ import pytest
 import torch
 
 import dash_inductor  # noqa: F401  (registers the ops)
-from dash_inductor.library import signatures
+from dash_inductor.library import native_kernels, signatures
 from dash_inductor.ops.shared import native, tape
 
-from test_native import _backward, _forward, _inputs
-
-
-@pytest.fixture(scope="module")
-def module():
-    if not native.ENABLED:
-        pytest.skip("DASH_INDUCTOR_NATIVE=0")
-    loaded = native.load(wait=True)
-    assert loaded is not None, native.failure()
-    return loaded
+from test_native import _backward, _forward, _inputs, module  # noqa: F401  (a fixture)
 
 
 @pytest.fixture
 def installed(module):
     """The ops' C++ kernels at the CPU key, over the Python ones, for one test."""
-    signatures.install_ops(module, "CPU")
+    native_kernels.install(module, "CPU", signatures._watch)
     try:
         yield module
     finally:
@@ -91,7 +82,7 @@ def test_any_other_call_goes_to_the_python_kernel(installed, change):
     try:
         expected = torch.ops.dash.attention(*args, **kwargs)
     finally:
-        signatures.install_ops(installed, "CPU")
+        native_kernels.install(installed, "CPU", signatures._watch)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
 
@@ -139,14 +130,14 @@ def test_a_launch_hook_clearing_and_uninstalling_each_stop_the_replay(installed)
     installed.uninstall_ops()
     torch.ops.dash.attention(q, k, v, None, 0.0, True)
     assert installed.journal() == before
-    signatures.install_ops(installed, "CPU")
+    native_kernels.install(installed, "CPU", signatures._watch)
 
 
 def test_the_autograd_kernel_passes_gradients_and_skips_python_without_them(module):
     """Below torch.library's Python autograd kernel: a call that wants no gradient goes below
     autograd in C++ (that kernel never runs); one that wants them gets its gradients from it, the
     same bits as without the C++ kernels; the backward op still refuses a double backward."""
-    forward, backward, forward_autograd, backward_autograd = signatures._OP_KERNELS
+    forward, backward, forward_autograd, backward_autograd = native_kernels._KERNELS
     if forward_autograd is None:
         pytest.skip("this torch has no torch._library.autograd.make_autograd_impl")
     calls = []

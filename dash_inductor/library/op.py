@@ -40,7 +40,7 @@ from dash_inductor.library.dropout import check_p, check_state
 from dash_inductor.ops import catalog
 from dash_inductor.ops.plan import Plan
 from dash_inductor.ops.shared import native
-from dash_inductor.library import signatures
+from dash_inductor.library import native_kernels, signatures
 from dash_inductor.library.shapes import Canonical, canonicalize, empty_like_layout, unfilled
 from dash_inductor.library.signatures import uses_triton
 from dash_inductor.library.window import NO_WINDOW
@@ -397,28 +397,6 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0
     return None
 
 
-def _positional(op, kernel, leading: int = 0):
-    """``kernel`` called with every argument of ``op`` positionally (after ``leading`` others),
-    as the C++ kernels (``native_ops.h``) pass them."""
-    arguments = op._opoverload._schema.arguments
-    first = leading + next(i for i, a in enumerate(arguments) if a.kwarg_only)
-    names = [a.name for a in arguments[first - leading:]]
 
-    def call(*args):
-        return kernel(*args[:first], **dict(zip(names, args[first:])))
-    return call
-
-
-def _autograd(op):
-    """torch.library's autograd kernel of ``op``, as it registers one, taking (keyset,
-    *arguments); None where this torch has no such maker (its own kernel then stays)."""
-    try:
-        from torch._library.autograd import make_autograd_impl
-    except ImportError:
-        return None
-    return _positional(op, make_autograd_impl(op._opoverload, op), leading=1)
-
-
-signatures.set_op_kernels(_positional(attention_op, _attention_kernel),
-                          _positional(attention_backward_op, _attention_backward_kernel),
-                          _autograd(attention_op), _autograd(attention_backward_op))
+native_kernels.register(attention_op, _attention_kernel, attention_backward_op,
+                        _attention_backward_kernel)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from dash_inductor.ops.plan import HOLDERS, Plan
 from dash_inductor.ops.shared import errors, native
+from dash_inductor.library import native_kernels
 from dash_inductor.library.shapes import Canonical, empty_like_layout
 
 _MAXSIZE = 1024  #: as the dispatcher's cache: a model has a handful of shapes per layer
@@ -148,7 +149,7 @@ class Signature:
             module.set_fallback(_FALLBACK[0])
             self.handle = module.new_signature(module.Program(*program))
             _BY_HANDLE[self.handle] = self
-            _bind(module, self, q, k, v)
+            native_kernels.bind(module, self.handle, self.call, q, k, v, _watch)
         return out, lse, ran[2]
 
     def backward_recorded(self, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -189,23 +190,6 @@ _FALLBACK: list[Callable | None] = [None]
 #: Recorded signatures by the replayer's handle (kept with the replayer's own table: a graph
 #: built before a ``clear`` may still run a backward under an old handle).
 _BY_HANDLE: dict[int, Signature] = {}
-#: The ops' Python kernels and torch.library's autograd kernels of them (None where this torch
-#: cannot make those), taking every argument positionally (``op.py`` sets them): the ops' C++
-#: kernels call them for what they do not replay.
-_OP_KERNELS: list[Callable | None] = []
-_INSTALLED = [False]
-
-
-def set_op_kernels(forward: Callable, backward: Callable, forward_autograd: Callable | None,
-                   backward_autograd: Callable | None) -> None:
-    _OP_KERNELS[:] = [forward, backward, forward_autograd, backward_autograd]
-
-
-def install_ops(module, key: str) -> None:
-    """The ops' C++ kernels at dispatch key ``key`` and its autograd key, over the Python ones."""
-    forward, backward, forward_autograd, backward_autograd = _OP_KERNELS
-    module.install_ops(key, forward, backward, native.launch_hooked, _watch, forward_autograd,
-                       backward_autograd)
 
 
 def _watch(handle: int) -> None:
@@ -213,20 +197,6 @@ def _watch(handle: int) -> None:
     signature = _BY_HANDLE.get(handle)
     if signature is not None and signature.watch is not None:
         errors.watch_spin_flag(*signature.watch)
-
-
-def _bind(module, signature: Signature, q: Tensor, k: Tensor, v: Tensor) -> None:
-    """Let the ops' C++ kernels replay calls like this one (installing them at the first)."""
-    if not _OP_KERNELS:
-        return
-    if not _INSTALLED[0]:
-        install_ops(module, "CUDA")
-        _INSTALLED[0] = True
-    (is_causal, scale, enable_gqa, window), (schedule, max_spin, cpu_backend, kernel) = \
-        signature.call
-    module.bind(signature.handle, q=q, k=k, v=v, is_causal=is_causal, scale=scale,
-                enable_gqa=enable_gqa, window_size=list(window), schedule=schedule,
-                max_spin=max_spin, cpu_backend=cpu_backend, kernel_path=kernel)
 
 
 def key(q: Tensor, k: Tensor, v: Tensor, flags: tuple, choices: tuple) -> tuple:
@@ -283,10 +253,7 @@ def clear() -> None:
     _SIGNATURES.clear()
     module = native.loaded()
     if module is not None:
-        module.unbind_all()
-        if _INSTALLED[0] and not native.ENABLED:
-            module.uninstall_ops()
-            _INSTALLED[0] = False
+        native_kernels.reset(module)
 
 
 HOLDERS.append(clear)
