@@ -27,9 +27,9 @@ def test_retarget_points_the_fed_tables_at_the_folder():
     folder = "results/2030-01-01-h100-0123abc"
     new = regenerate.retarget(page, folder, tables)
     markers = [(m[2], m[3].split()) for m in doc_tables.MARKER.finditer(new)]
-    steps = [paths for kind, paths in markers if kind == "step"]
-    assert steps == [[f"{folder}/step-b2.json"], [f"{folder}/step-b1.json"],
-                     [f"{folder}/step.json"]]
+    steps = [paths for kind, paths in markers if kind.startswith("step")]
+    assert steps == [[f"{folder}/step-b2.json", f"{folder}/step-b1.json"],
+                     [f"{folder}/step-graphs.json"], [f"{folder}/step.json"]]
     fed = {kind for kind, _, _ in tables}
     for kind, paths in markers:
         moved = all(p.startswith(folder + "/") for p in paths)
