@@ -21,10 +21,10 @@ Every variant is compiled and warmed up first, then the variants take turns for 
 rounds of ``--steps`` steps each, so that the host's and the GPU's drift reaches them alike
 (each variant compiles its own graph: ``methods.compile_own``). It prints and writes the median
 step time (each step synchronised alone), the time and host time a step of steps run back to
-back (median over rounds), each variant's peak memory a step beyond what stays allocated, and the
-peak memory of one attention forward+backward alone (dash against SDPA: dash adds no N x N
-buffer, only O(N*d) for the fp32 dQ accumulator and the tickets). The target is dash <= 1.05x the
-determinism-off step.
+back (median over rounds; each round's in the JSON), each variant's peak memory a step beyond
+what stays allocated, and the peak memory of one attention forward+backward alone (dash against
+SDPA: dash adds no N x N buffer, only O(N*d) for the fp32 dQ accumulator and the tickets). The
+target is dash <= 1.05x the determinism-off step.
 """
 
 from __future__ import annotations
@@ -157,6 +157,7 @@ class Variant:
                 "step_ms_all": [1e3 * t for t in self.times], "step_peak_gib": self.peak,
                 "back_to_back_ms": statistics.median(b for b, _ in self.back_to_back),
                 "host_ms": statistics.median(h for _, h in self.back_to_back),
+                "back_to_back_ms_rounds": [b for b, _ in self.back_to_back],
                 "kernels": kernels}
 
 
