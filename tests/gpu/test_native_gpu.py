@@ -157,8 +157,8 @@ def test_a_second_derivative_is_refused_as_on_the_python_path(module):
 
 
 def test_compiled_calls_replay_the_op_with_the_same_bits(module):
-    """Inductor calls ``dash::attention`` and its backward op, whose kernels replay a recorded
-    signature too (no autograd function of ours there)."""
+    """Inductor calls ``dash::attention`` and its backward op, whose C++ kernels replay a recorded
+    signature too (no autograd function of ours there, no Python kernel)."""
     case = CASES[0]
     inputs = _inputs(*case[:3], seed=4)
 
@@ -178,3 +178,8 @@ def test_compiled_calls_replay_the_op_with_the_same_bits(module):
     signature = _signature(inputs, case)
     assert signature is not None and signature.handle >= 0 and signature.native_plans
     _assert_bits(first, *runs)
+    # the last run's forward and backward ran in the ops' C++ kernels (native_ops.h), which
+    # journal a forward as index -1; the Python kernels journal nothing there
+    (_, fwd_handle, fwd_index), (_, bwd_handle, bwd_index) = module.journal()[-2:]
+    assert (fwd_handle, fwd_index) == (signature.handle, -1)
+    assert bwd_handle == signature.handle and bwd_index >= 0
