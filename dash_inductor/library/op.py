@@ -300,8 +300,6 @@ for _device in ("CPU", "CUDA"):
     _LIB.impl("attention_backward", _attention_backward_kernel, _device)
 
 
-
-
 @torch.library.custom_op(
     "dash::attention_mask_grad", mutates_args=(),
     schema=("(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor logsumexp, "
@@ -395,7 +393,6 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p: float = 0.0
     except ValueError as error:
         return str(error)
     return None
-
 
 
 native_kernels.register(attention_op, _attention_kernel, attention_backward_op,
