@@ -17,7 +17,6 @@ from dash_inductor.ops.shared import native
 
 #: forward, backward, and their autograd kernels (None where this torch cannot make those).
 _KERNELS: list[Callable | None] = []
-_INSTALLED = [False]
 
 
 def _positional(op, kernel: Callable, leading: int = 0) -> Callable:
@@ -59,12 +58,11 @@ def install(module, key: str, watch: Callable[[int], None]) -> None:
 def bind(module, handle: int, call: tuple, q: Tensor, k: Tensor, v: Tensor,
          watch: Callable[[int], None]) -> None:
     """Let the C++ kernels replay calls like this one (``call`` = (flags, choices) as
-    ``signatures.key`` takes them) under ``handle``, installing them on CUDA at the first."""
+    ``signatures.key`` takes them) under ``handle``, installing them on CUDA at the first (a
+    later install keeps the kernels in place)."""
     if not _KERNELS:
         return
-    if not _INSTALLED[0]:
-        install(module, "CUDA", watch)
-        _INSTALLED[0] = True
+    install(module, "CUDA", watch)
     (is_causal, scale, enable_gqa, window), (schedule, max_spin, cpu_backend, kernel) = call
     module.bind(handle, q=q, k=k, v=v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                 window_size=list(window), schedule=schedule, max_spin=max_spin,
@@ -74,6 +72,5 @@ def bind(module, handle: int, call: tuple, q: Tensor, k: Tensor, v: Tensor,
 def reset(module) -> None:
     """Forget every bound call; with the replayer switched off, remove the C++ kernels too."""
     module.unbind_all()
-    if _INSTALLED[0] and not native.ENABLED:
+    if not native.ENABLED:
         module.uninstall_ops()
-        _INSTALLED[0] = False

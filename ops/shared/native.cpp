@@ -43,14 +43,14 @@ struct Attention : public torch::autograd::Function<Attention> {
     auto saved = ctx->get_saved_variables();
     int64_t handle = ctx->saved_data["handle"].toInt();
     const Tensor& grad_out = grads[0];
-    std::pair<int64_t, std::shared_ptr<Program>> found{-1, nullptr};
+    std::pair<int64_t, std::vector<Tensor>> ran{-1, {}};
     if (!at::GradMode::is_enabled()) {
-      found = signature(handle)->backward_for(layout_key(grad_out, saved[3], saved[4]));
+      ran = dash_replay::run_backward(signature(handle), grad_out, saved[0], saved[1], saved[2],
+                                      saved[3], saved[4]);
     }
-    std::vector<Tensor> result;
-    if (found.second) {
-      result = found.second->run({grad_out, saved[0], saved[1], saved[2], saved[3], saved[4]});
-      note(handle, found.first);
+    std::vector<Tensor> result = std::move(ran.second);
+    if (ran.first >= 0) {
+      note(handle, ran.first);
     } else {
       py::gil_scoped_acquire gil;
       result = (*fallback)(handle, grad_out, saved[0], saved[1], saved[2], saved[3], saved[4])
@@ -87,14 +87,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run_backward", [](int64_t handle, const Tensor& grad_out, const Tensor& q,
                            const Tensor& k, const Tensor& v, const Tensor& out,
                            const Tensor& lse) -> py::object {
-    auto found = signature(handle)->backward_for(layout_key(grad_out, out, lse));
-    if (!found.second) return py::none();
-    std::vector<Tensor> grads;
+    std::pair<int64_t, std::vector<Tensor>> ran;
     {
       py::gil_scoped_release release;
-      grads = found.second->run({grad_out, q, k, v, out, lse});
+      ran = dash_replay::run_backward(signature(handle), grad_out, q, k, v, out, lse);
     }
-    return py::make_tuple(found.first, grads[0], grads[1], grads[2]);
+    if (ran.first < 0) return py::none();
+    return py::make_tuple(ran.first, ran.second[0], ran.second[1], ran.second[2]);
   });
   m.def("layout_key", &layout_key);
   m.def("next_sequence", [] { return dash_replay::journal().sequence.fetch_add(1); });

@@ -122,12 +122,16 @@ inline int64_t bound_handle(const Positions& at, const c10::IValue* args) {
   return found == state.bound.end() ? -1 : found->second;
 }
 
-// Every argument to Python, the op's Python kernel called positionally, its tensors pushed back.
-inline void call_python(const py::object& kernel, size_t count, torch::jit::Stack* stack) {
+// Every argument to Python (after ``keys``, for an autograd kernel), the Python kernel called
+// positionally, its tensors pushed back.
+inline void call_python(const py::object& kernel, size_t count, torch::jit::Stack* stack,
+                        const c10::DispatchKeySet* keys = nullptr) {
   py::gil_scoped_acquire gil;
-  py::tuple args(count);
+  const size_t first = keys ? 1 : 0;
+  py::tuple args(first + count);
+  if (keys) args[0] = py::cast(*keys);
   for (size_t i = 0; i < count; ++i) {
-    args[i] = torch::jit::toPyObject((*stack)[stack->size() - count + i]);
+    args[first + i] = torch::jit::toPyObject((*stack)[stack->size() - count + i]);
   }
   py::tuple results = kernel(*args);
   torch::jit::drop(*stack, count);
@@ -160,24 +164,19 @@ inline void backward_kernel(const c10::OperatorHandle&, c10::DispatchKeySet,
   const Positions& at = *state.backward_at;
   const c10::IValue* args = stack->data() + stack->size() - at.count;
   int64_t handle = bound_handle(at, args);
-  if (handle < 0) return call_python(state.backward_fallback, at.count, stack);
-  const Tensor& grad_out = args[at.grad_out].toTensor();
-  const Tensor& out = args[at.out].toTensor();
-  const Tensor& lse = args[at.logsumexp].toTensor();
+  if (handle < 0 || launch_hooked()) return call_python(state.backward_fallback, at.count, stack);
   auto bound = signature(handle);
-  auto found = bound->backward_for(layout_key(grad_out, out, lse));
-  if (!found.second || launch_hooked()) {
-    return call_python(state.backward_fallback, at.count, stack);
-  }
-  if (bound->watched) {
+  auto ran = run_backward(bound, args[at.grad_out].toTensor(), args[at.q].toTensor(),
+                          args[at.k].toTensor(), args[at.v].toTensor(), args[at.out].toTensor(),
+                          args[at.logsumexp].toTensor());
+  if (ran.first < 0) return call_python(state.backward_fallback, at.count, stack);
+  note(handle, ran.first);
+  if (bound->watched) {  // as the Python path: watched after the launch
     py::gil_scoped_acquire gil;
     state.watch(handle);
   }
-  auto grads = found.second->run({grad_out, args[at.q].toTensor(), args[at.k].toTensor(),
-                                  args[at.v].toTensor(), out, lse});
-  note(handle, found.first);
   torch::jit::drop(*stack, at.count);
-  for (auto& grad : grads) stack->emplace_back(std::move(grad));
+  for (auto& grad : ran.second) stack->emplace_back(std::move(grad));
 }
 
 // A custom op's autograd kernel is torch.library's Python function, which runs even where no
@@ -200,13 +199,7 @@ void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
     op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
     return;
   }
-  py::gil_scoped_acquire gil;
-  py::tuple call(count + 1);
-  call[0] = py::cast(keys);
-  for (size_t i = 0; i < count; ++i) call[i + 1] = torch::jit::toPyObject(args[i]);
-  py::tuple results = (kBackward ? state.backward_autograd : state.forward_autograd)(*call);
-  torch::jit::drop(*stack, count);
-  for (const auto& result : results) stack->emplace_back(result.cast<Tensor>());
+  call_python(kBackward ? state.backward_autograd : state.forward_autograd, count, stack, &keys);
 }
 
 class QuietWarnings : public c10::WarningHandler {  // the override below is the point
@@ -216,6 +209,7 @@ class QuietWarnings : public c10::WarningHandler {  // the override below is the
 
 // Put the kernels above the Python ones at ``key`` and its autograd key (registrations of their
 // own, removed again by ``uninstall``: the Python kernels below them then take every call again).
+// Once installed, a further install changes nothing.
 inline void install(const std::string& key, py::object forward, py::object backward,
                     py::object hooked, py::object watch, py::object forward_autograd,
                     py::object backward_autograd) {

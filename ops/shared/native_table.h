@@ -43,6 +43,16 @@ struct Signature {
   }
 };
 
+// The gradients from the signature's program for the gradient's layout, with its index; index -1
+// and none where it has no such program.
+inline std::pair<int64_t, std::vector<Tensor>> run_backward(
+    const std::shared_ptr<Signature>& signature, const Tensor& grad_out, const Tensor& q,
+    const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse) {
+  auto found = signature->backward_for(layout_key(grad_out, out, lse));
+  if (!found.second) return {-1, {}};
+  return {found.first, found.second->run({grad_out, q, k, v, out, lse})};
+}
+
 struct Table {
   std::mutex mutex;
   std::deque<std::shared_ptr<Signature>> signatures;  // by handle; kept while a graph may hold one
