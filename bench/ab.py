@@ -1,6 +1,6 @@
 """Time two revisions of dash_inductor against each other: the working tree and ``--ref REV``.
 
-    python bench/ab.py --ref HEAD~1 [--problem B,HQ,HKV,N,D[,causal] ...] [--schedule auto]
+    python bench/ab.py --ref HEAD~1|FOLDER [--problem B,HQ,HKV,N,D[,causal] ...] [--schedule auto]
                        [--kernel auto] [--rounds 5] [--warmup 25] [--rep 100] [--dropout P]
                        [--json PATH]
 
@@ -13,9 +13,11 @@ for bit.
 What alternates, and why two processes. Both revisions register the same ``torch.ops.dash.*``
 operators and the same module names, so one Python process cannot hold both: the second
 registration would fail or replace the first. ``git worktree add`` checks ``REV`` out into a
-temporary folder, and two worker processes import one tree each (a finder placed first on
-``sys.meta_path`` maps ``dash_inductor`` and the package folders named in that tree's
-pyproject.toml onto that tree, so neither the installed copy nor the other tree can leak in).
+temporary folder (or ``--ref`` names a folder that already holds a checkout, for a machine
+without the repository's history), and two worker processes import one tree each (a finder
+placed first on ``sys.meta_path`` maps ``dash_inductor`` and the package folders named in that
+tree's pyproject.toml onto that tree, so neither the installed copy nor the other tree can leak
+in).
 The parent then runs the rounds: in each round every problem is timed by one worker, then by the
 other, the order swapping from round to round, while the idle worker waits on its pipe. So the two
 revisions never run at the same time, and a clock or thermal drift of the GPU spreads over both
@@ -191,7 +193,13 @@ def parse_problem(text: str) -> tuple[int, int, int, int, int, bool]:
 
 @contextlib.contextmanager
 def checked_out(rev: str) -> Iterator[tuple[Path, str]]:
-    """A temporary worktree of ``rev`` (detached), removed afterwards; yields (path, commit)."""
+    """A temporary worktree of ``rev`` (detached), removed afterwards; yields (path, commit).
+
+    A folder holding a package tree is used as it is, its commit reported as the folder's name.
+    """
+    if (Path(rev) / "dash_inductor").is_dir():
+        yield Path(rev).resolve(), Path(rev).name
+        return
     commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT,
                             check=True, capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="dash-ab-") as tmp:
@@ -284,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         epilog="The working tree's uncommitted changes are part of its side; REV is checked out "
                "as committed.")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--ref", help="the revision to compare with (a commit, branch or tag)")
+    parser.add_argument("--ref", help="the revision to compare with: a commit, branch or tag, or "
+                                      "a folder holding a checkout")
     parser.add_argument("--problem", action="append", type=parse_problem, metavar="B,HQ,HKV,N,D[,causal]",
                         help="a problem, repeatable (default: head dim 128 and 64 at N = 4096, "
                              "causal and full)")
