@@ -5,11 +5,17 @@ cached under ``TORCH_EXTENSIONS_DIR``), in a thread of its own: calls take the P
 it has loaded, then the same programs run from C++, so the bits do not depend on which ran. It
 is off where ``DASH_INDUCTOR_NATIVE=0``, and where it cannot build (no compiler): then a
 warning says why, once.
+
+A build that exists is imported as it is. Builds are serialised by a lock that the OS releases
+when its process ends: PyTorch's own lock file outlives a process that exits or is killed while
+building (the build thread is a daemon), and every later build would wait on it forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import itertools
 import os
 import re
@@ -18,6 +24,7 @@ import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 import torch
 
@@ -40,15 +47,63 @@ _lock = threading.Lock()
 _numbers = itertools.count()  #: the host's numbering of launches until the replayer loads
 
 
+def _name() -> str:
+    """The build's name: this Python's ABI, this torch, and the sources' contents."""
+    digest = hashlib.sha1(b"".join(path.read_bytes() for path in _FILES)).hexdigest()[:12]
+    name = f"dash_native_{sys.implementation.cache_tag}_{torch.__version__}_{digest}"
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[bool]:
+    """Hold an exclusive lock on ``path`` that the OS drops with this process (``flock``); yields
+    whether it could (not on Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield False
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_or_build(name: str, directory: Path) -> ModuleType:
+    """The build ``name`` in ``directory``: imported where it exists, else built there."""
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / f"{name}{'.pyd' if sys.platform == 'win32' else '.so'}"
+    with _exclusive(directory / "dash.lock") as locked:
+        if library.exists():
+            try:
+                return _import(name, library)
+            except ImportError:  # a build that died while linking: build it again
+                library.unlink()
+        if locked:  # no build runs now: PyTorch's lock file is one a dead process left
+            (directory / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"],
+                                  build_directory=str(directory), verbose=False)
+
+
 def _build() -> None:
     global _module, _failed
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha1(b"".join(path.read_bytes() for path in _FILES)).hexdigest()[:12]
-    name = f"dash_native_{re.sub(r'[^A-Za-z0-9]', '_', torch.__version__)}_{digest}"
+    name = _name()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     try:
-        module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"],
-                                    verbose=False)
+        module = _load_or_build(name, Path(root) / name)
     except Exception as error:  # a missing compiler or headers: the Python path stays
         _failed = f"{type(error).__name__}: {error}".splitlines()[0]
         warnings.warn(f"dash attention: the C++ replayer did not build ({_failed}); calls keep "
