@@ -57,3 +57,11 @@ def test_ab_against_head_on_the_cpu(tmp_path):
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True,
                                text=True).stdout
     assert "dash-ab-" not in worktrees
+
+
+def test_a_folder_holding_a_checkout_is_taken_as_it_is(tmp_path):
+    tree = tmp_path / "copy"
+    (tree / "dash_inductor").mkdir(parents=True)
+    with ab.checked_out(str(tree)) as (path, commit):
+        assert path == tree.resolve() and commit == "copy"
+    assert (tree / "dash_inductor").is_dir()  # not removed afterwards
