@@ -75,3 +75,15 @@ def test_the_name_is_a_module_name_of_this_python_and_torch():
     name = native._name()
     assert name.isidentifier()
     assert sys.implementation.cache_tag.replace("-", "_") in name
+
+
+def test_without_locks_a_lock_file_is_left_to_pytorch(builder, tmp_path, monkeypatch):
+    import fcntl
+
+    def refuse(*args):
+        raise OSError("no locks on this filesystem")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    (tmp_path / "lock").touch()  # it may be a live build's: not ours to remove
+    assert native._load_or_build("dash_native_probe", tmp_path) == "built dash_native_probe"
+    assert builder.calls[0]["held"] == ["dash.lock", "lock"]

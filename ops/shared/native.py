@@ -57,14 +57,18 @@ def _name() -> str:
 @contextlib.contextmanager
 def _exclusive(path: Path) -> Iterator[bool]:
     """Hold an exclusive lock on ``path`` that the OS drops with this process (``flock``); yields
-    whether it could (not on Windows)."""
+    whether it could (not on Windows, nor on a filesystem without locks)."""
     try:
         import fcntl
     except ImportError:
         yield False
         return
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            yield False
+            return
         try:
             yield True
         finally:
