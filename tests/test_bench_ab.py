@@ -65,3 +65,18 @@ def test_a_folder_holding_a_checkout_is_taken_as_it_is(tmp_path):
     with ab.checked_out(str(tree)) as (path, commit):
         assert path == tree.resolve() and commit == "copy"
     assert (tree / "dash_inductor").is_dir()  # not removed afterwards
+
+
+
+def test_the_checked_dropout_call_does_not_depend_on_how_often_the_timer_called(tmp_path):
+    """do_bench's call count follows the clock; the bits compared must not."""
+    import dash_inductor
+
+    job = {"problem": (1, 2, 2, 32, 16, False), "dtype": "float32", "device": "cpu",
+           "schedule": "auto", "kernel": "auto", "dropout_p": 0.3}
+
+    def timer_calling(times):
+        return lambda fn: [fn() for _ in range(times)] and 1.0
+
+    bits = {ab._measure(dash_inductor, job, timer_calling(n))["bits"] for n in (1, 4)}
+    assert len(bits) == 1
