@@ -198,10 +198,10 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
         p = gl.where(kept, p, 0.0)
     p = p.to(dtype)  # carried into the next step as the MMA operand: half the registers of fp32
     acc = gl.zeros([PART_M, HEAD_D], gl.float32, layout=o_layout)
+    mbarrier.wait(k_ready.index(1 % STAGES), (1 // STAGES) & 1, pred=n_tiles > 1)
     for j in range(1, n_tiles):
         st = j % STAGES
         prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         p_op = gl.convert_layout(p, p_layout)
         s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False,
@@ -220,6 +220,10 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
             p = gl.where(kept, p, 0.0)
         p = p.to(dtype)
         m_i = m_new
+        # The next K tile is awaited here, not at the top of the step: ptxas hoists a wgmma wait
+        # to the top of its basic block, and this spin loop ends the block after the softmax.
+        nxt = j + 1
+        mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_tiles)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
