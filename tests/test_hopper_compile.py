@@ -24,7 +24,7 @@ import pytest
 
 from dash_inductor.ops import catalog
 from dash_inductor.ops.hopper import aot
-from dash_inductor.ops.hopper.config import backward_config
+from dash_inductor.ops.hopper.config import HopperForwardConfig, backward_config, forward_config
 from dash_inductor.ops.hopper.dq_order import flat_box, flat_layout
 
 DTYPES = ("bf16", "fp16")
@@ -131,8 +131,12 @@ FORWARD_VARIANTS = [(64, "dense"), (64, "varlen"), (128, "dense"), (128, "varlen
 @pytest.mark.parametrize("head_dim, variant", FORWARD_VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_compiles_for_sm90(variants, dtype, head_dim, causal, variant):
-    """Every forward variant, the two-warpgroup d64 tile included: no spill, asynchronous wgmma."""
+    """Every forward variant, the two-warpgroup d64 tile included: no spill, asynchronous wgmma,
+    and where the config asks for it, every exponential of a step's softmax computed while the
+    previous P V is in flight (a 64-row warpgroup's 128-key step takes 64 a thread)."""
     row = variants[(dtype, head_dim, "forward", causal, variant)]
+    cfg = HopperForwardConfig() if variant == "2wg" else forward_config(head_dim, variant == "varlen")
+    assert (row["ex2_under_pv"] >= 64) == cfg.softmax_under_pv
     assert row["cubin_bytes"] > 0
     assert row["wgmma"] > 0
     assert row["tma_loads"] >= 3 and row["tma_stores"] >= 1  # Q, K, V in; O out
@@ -197,7 +201,10 @@ def test_each_kernel_path_compiles_under_the_oldest_supported_triton():
         assert row["triton"] == OLDEST_TRITON
         assert row["wgmma"] > 0 and row["wgmma_serialized"] == 0
         if row["schedule"] == "forward":
-            assert (row["masked_stores"] > 0) == ("varlen" in row["variant"])
+            varlen = "varlen" in row["variant"]
+            assert (row["masked_stores"] > 0) == varlen
+            cfg = forward_config(row["head_dim"], varlen)
+            assert (row["ex2_under_pv"] >= 64) == cfg.softmax_under_pv
         else:
             _check_backward(row, row["schedule"], row["head_dim"], row["causal"],
                             varlen="varlen" in row["variant"])

@@ -129,6 +129,32 @@ def ptxas_report(ptx: str) -> dict[str, int]:
     return {"wgmma_serialized": int("C7512" in info), "spill_store_bytes": int(spills.group(1))}
 
 
+def ex2_under_pv(compiled) -> int:
+    """The fewest exponentials a forward's softmax warpgroup computes, in the SASS, between the
+    wait for a step's S (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) and the wait for the previous P V
+    (``0x0``): 0 where ptxas retires P V before the softmax."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", cubin.name],
+                              capture_output=True, text=True, check=True).stdout
+    counts, since_s = [], None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            since_s = 0
+        elif since_s is not None and "MUFU.EX2" in line:
+            since_s += 1
+        elif since_s is not None and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            counts.append(since_s)
+            since_s = None
+    return min(counts, default=0)
+
+
+def forward_summary(compiled) -> dict[str, int]:
+    """``summary`` and, from the SASS, ``ex2_under_pv``."""
+    return {**summary(compiled), "ex2_under_pv": ex2_under_pv(compiled)}
+
+
 def summary(compiled) -> dict[str, int]:
     """Counts of the PTX instructions the design relies on, ptxas's report, shared memory and
     cubin size."""
@@ -193,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
                                               window=window, varlen=varlen))
             key = dict(dtype=args.dtype, head_dim=head_dim, schedule=schedule, causal=causal,
                        variant=variant_name(window, varlen), triton=triton.__version__)
-            print(json.dumps({**key, **summary(compiled)}), flush=True)
+            row = forward_summary(compiled) if schedule == "forward" else summary(compiled)
+            print(json.dumps({**key, **row}), flush=True)
         return
     for head_dim in HEAD_DIMS:
         for causal in (False, True):
@@ -203,16 +230,17 @@ def main(argv: list[str] | None = None) -> None:
                                            varlen=varlen)
                 key = dict(dtype=args.dtype, head_dim=head_dim, schedule="forward",
                            causal=causal, variant=variant_name(False, varlen))
-                print(json.dumps({**key, **summary(compiled)}), flush=True)
+                print(json.dumps({**key, **forward_summary(compiled)}), flush=True)
                 if not varlen and args.dtype == "bf16":
                     compiled = compile_forward(args.dtype, head_dim, causal, group=group,
                                                dropout=True)
-                    print(json.dumps({**key, "variant": "dense-dropout", **summary(compiled)}),
-                          flush=True)
+                    print(json.dumps({**key, "variant": "dense-dropout",
+                                      **forward_summary(compiled)}), flush=True)
                 if head_dim == 64 and not varlen:  # the two-warpgroup tile, kept for A/B runs
                     compiled = compile_forward(args.dtype, head_dim, causal, group=group,
                                                cfg=HopperForwardConfig())
-                    print(json.dumps({**key, "variant": "2wg", **summary(compiled)}), flush=True)
+                    print(json.dumps({**key, "variant": "2wg", **forward_summary(compiled)}),
+                          flush=True)
     backward_variants = [(schedule, causal, False, False) for schedule in NAMES
                          for causal in (False, True)]
     if args.dtype == "bf16":

@@ -119,7 +119,9 @@ class HopperForwardConfig:
     """Tile shape of the warp-specialized forward: ``block_m`` query rows per program, split over
     ``softmax_groups`` softmax warpgroups of 64 rows (two, or three as FlashAttention-3's
     head-dim-64 tile), ``block_n`` keys per KV tile, ``stages`` K/V buffers; registers per worker
-    partition (setmaxnreg); ``num_warps`` of each softmax partition."""
+    partition (setmaxnreg); ``num_warps`` of each softmax partition. ``softmax_under_pv``: a step's
+    softmax runs while the previous P V is in flight (FlashAttention-3's intra-warpgroup
+    overlap), which keeps two P tiles in registers."""
 
     block_m: int = 128
     block_n: int = 128
@@ -128,6 +130,7 @@ class HopperForwardConfig:
     softmax_regs: int = 240
     load_regs: int = 24
     num_warps: int = 4
+    softmax_under_pv: bool = True
 
     @property
     def warpgroup_rows(self) -> int:
@@ -137,8 +140,10 @@ class HopperForwardConfig:
 
 #: Three softmax warpgroups of 64 rows, FlashAttention-3's head-dim-64 tile (192 x 128): each K/V
 #: tile loaded serves 192 rows instead of 128. The loader's warp counts as a warpgroup, so each
-#: gets 160 registers, which hold a 128-key step because P is carried in bf16.
-THREE_WARPGROUPS = HopperForwardConfig(block_m=192, softmax_groups=3, softmax_regs=160)
+#: gets 160 registers, which hold a 128-key step because P is carried in bf16, but not a second P
+#: beside it (Triton 3.9 spills): the three warpgroups overlap each other's softmax instead.
+THREE_WARPGROUPS = HopperForwardConfig(block_m=192, softmax_groups=3, softmax_regs=160,
+                                       softmax_under_pv=False)
 
 
 def forward_config(head_dim: int, varlen: bool = False, dropout: bool = False) -> HopperForwardConfig:
@@ -147,7 +152,8 @@ def forward_config(head_dim: int, varlen: bool = False, dropout: bool = False) -
     sequences (whose tile-crossing stores take two) and with dropout (the mask spilled 12 KB on
     three warpgroups of 160 registers)."""
     three = head_dim == 64 and not (varlen or dropout)
-    return THREE_WARPGROUPS if three else HopperForwardConfig()
+    # With dropout the second P beside the keep mask spills (784 B against 136 B on Triton 3.6).
+    return THREE_WARPGROUPS if three else HopperForwardConfig(softmax_under_pv=not dropout)
 
 
 def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig,
@@ -155,7 +161,8 @@ def forward_constexprs(causal: bool, group: int, cfg: HopperForwardConfig,
     """The forward kernel's compile-time arguments for one launch (``varlen``: packed sequences)."""
     return dict(GROUP=group, CAUSAL=causal, VARLEN=varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 STAGES=cfg.stages, SOFTMAX_REGS=cfg.softmax_regs,
-                LOAD_REGS=cfg.load_regs, DROPOUT=dropout, num_warps=cfg.num_warps)
+                LOAD_REGS=cfg.load_regs, DROPOUT=dropout, SOFTMAX_UNDER_PV=cfg.softmax_under_pv,
+                num_warps=cfg.num_warps)
 
 
 def ordered_programs(items_per_head: int, sms: int) -> int:

@@ -149,10 +149,11 @@ def _store_rows(values, O, row, n_rows, h, stride_oh, stride_om):
 @gluon.jit
 def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                        VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, DROPOUT: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       UNDER_PV: gl.constexpr, num_warps: gl.constexpr):
     """Rows [PART * PART_M, (PART + 1) * PART_M) of the program's Q tile; ``shared``: the
     kernel's buffers, barriers and arguments, the same for every softmax warpgroup. DROPOUT:
-    P V takes the kept probabilities (``dropout.py``), the row sums all of them."""
+    P V takes the kept probabilities (``dropout.py``), the row sums all of them. UNDER_PV: a
+    step's softmax runs while the previous step's P V is in flight."""
     (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, v_clear, o_desc, O, LSE, CU_Q,
      CU_K, stride_oh, stride_om, L, S, HQ, max_q, max_k, qk_scale, RNG, drop_threshold,
      drop_scale) = shared
@@ -198,10 +199,13 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
         p = gl.where(kept, p, 0.0)
     p = p.to(dtype)  # carried into the next step as the MMA operand: half the registers of fp32
     acc = gl.zeros([PART_M, HEAD_D], gl.float32, layout=o_layout)
-    mbarrier.wait(k_ready.index(1 % STAGES), (1 // STAGES) & 1, pred=n_tiles > 1)
+    if UNDER_PV:
+        mbarrier.wait(k_ready.index(1 % STAGES), (1 // STAGES) & 1, pred=n_tiles > 1)
     for j in range(1, n_tiles):
         st = j % STAGES
         prev = (j - 1) % STAGES
+        if not UNDER_PV:
+            mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         p_op = gl.convert_layout(p, p_layout)
         s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False,
@@ -220,10 +224,10 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
             p = gl.where(kept, p, 0.0)
         p = p.to(dtype)
         m_i = m_new
-        # The next K tile is awaited here, not at the top of the step: ptxas hoists a wgmma wait
-        # to the top of its basic block, and this spin loop ends the block after the softmax.
-        nxt = j + 1
-        mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_tiles)
+        if UNDER_PV:  # ptxas hoists a wgmma wait to the top of its basic block: this spin loop
+            # on the next K tile ends the block after the softmax, so the softmax runs under P V
+            nxt = j + 1
+            mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_tiles)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -286,7 +290,7 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, stride_oh
                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    SOFTMAX_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, DROPOUT: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   SOFTMAX_UNDER_PV: gl.constexpr, num_warps: gl.constexpr):
     """O and the natural-log logsumexp of one Q tile of one (batch, head); see the module doc.
 
     The descriptors are rank 4, over (B, H, N, D) in the tensors' own strides (VARLEN: the packed
@@ -336,14 +340,19 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, stride_oh
              CU_Q, CU_K, L, S, HQ, max_q, max_k)
     if PARTS == 2:
         gl.warp_specialize([
-            (_softmax_partition, (shared, 0, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT, num_warps)),
-            (_softmax_partition, (shared, 1, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT, num_warps)),
+            (_softmax_partition, (shared, 0, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT,
+                                  SOFTMAX_UNDER_PV, num_warps)),
+            (_softmax_partition, (shared, 1, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT,
+                                  SOFTMAX_UNDER_PV, num_warps)),
             (_load_partition, (loads, GROUP, CAUSAL, VARLEN, BLOCK_M)),
         ], [num_warps, 1], [SOFTMAX_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_softmax_partition, (shared, 0, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT, num_warps)),
-            (_softmax_partition, (shared, 1, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT, num_warps)),
-            (_softmax_partition, (shared, 2, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT, num_warps)),
+            (_softmax_partition, (shared, 0, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT,
+                                  SOFTMAX_UNDER_PV, num_warps)),
+            (_softmax_partition, (shared, 1, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT,
+                                  SOFTMAX_UNDER_PV, num_warps)),
+            (_softmax_partition, (shared, 2, GROUP, CAUSAL, VARLEN, BLOCK_M, DROPOUT,
+                                  SOFTMAX_UNDER_PV, num_warps)),
             (_load_partition, (loads, GROUP, CAUSAL, VARLEN, BLOCK_M)),
         ], [num_warps, num_warps, 1], [SOFTMAX_REGS, SOFTMAX_REGS, LOAD_REGS])
