@@ -8,8 +8,9 @@ Three partitions (the split of FlashAttention-3's forward, Shah et al. 2024):
 - ``_softmax_partition``, two or three times (one warpgroup each, 64 query rows each; three at
   head dim 64, FlashAttention-3's tile there, so a K/V tile serves 192 rows): the online softmax of
   FlashAttention-2 in the exp2 domain with wgmma. Each step issues the next tile's S = Q K^T and
-  the previous tile's O += P V together, and computes the next tile's softmax while P V runs
-  (FlashAttention-3's intra-warpgroup overlap). The warpgroups meet only at the K/V ring, so one's
+  the previous tile's O += P V together, and where the config has registers for a second P
+  (``softmax_under_pv``) computes the next tile's softmax while P V runs (FlashAttention-3's
+  intra-warpgroup overlap). The warpgroups meet only at the K/V ring, so one's
   softmax runs while another's MMAs hold the tensor cores without the explicit turn-taking of
   FlashAttention-3's ping-pong (measured no faster here: docs/kernels-notes.md). Each stores its
   part of O through shared memory by TMA.
