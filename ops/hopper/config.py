@@ -140,8 +140,8 @@ class HopperForwardConfig:
 
 #: Three softmax warpgroups of 64 rows, FlashAttention-3's head-dim-64 tile (192 x 128): each K/V
 #: tile loaded serves 192 rows instead of 128. The loader's warp counts as a warpgroup, so each
-#: gets 160 registers, which hold a 128-key step because P is carried in bf16, but not a second P
-#: beside it (Triton 3.9 spills): the three warpgroups overlap each other's softmax instead.
+#: gets 160 registers, which hold a 128-key step because P is carried in bf16; a second P beside
+#: it (``softmax_under_pv``) ran slower on an H100: the three warpgroups cover each other's softmax.
 THREE_WARPGROUPS = HopperForwardConfig(block_m=192, softmax_groups=3, softmax_regs=160,
                                        softmax_under_pv=False)
 
