@@ -23,6 +23,7 @@ from torch import Tensor  # noqa: E402
 import dash_inductor  # noqa: E402
 from dash_inductor.library.op import last_plans  # noqa: E402
 from dash_inductor.ops import catalog  # noqa: E402
+from dash_inductor.ops.shared import native  # noqa: E402
 
 TOKENS = 16384  #: B * N of every grid problem
 WIDTH = 2048  #: H * D of every grid problem
@@ -307,9 +308,14 @@ class Timing:
 
 def time_ms(fn: Callable[[], object], grad_to_none: list[Tensor] | None = None,
             warmup: int = 10, rep: int = 40) -> float:
-    """The median of ``triton.testing.do_bench`` in ms (it synchronises and flushes L2)."""
+    """The median of ``triton.testing.do_bench`` in ms (it synchronises and flushes L2).
+
+    Waits for dash's C++ replayer first: while it builds, in a thread of its own, that thread holds
+    the GIL for up to the switch interval (5 ms) at a time and every host-bound call waits on it.
+    """
     from triton.testing import do_bench
 
+    native.load(wait=True)
     return float(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
                           return_mode="median"))
 
