@@ -183,29 +183,37 @@ def step_control(*paths: str) -> str:
 
 def fa4(*paths: str) -> str:
     """bench/run.py's JSON with FlashAttention-4's methods: backward and forward TFLOP/s of
-    cuDNN, FA4 (non-deterministic and deterministic) and dash's auto schedule."""
+    cuDNN, FA4 (non-deterministic and deterministic) and dash's auto schedule. A row marked
+    ``excluded`` (a reason, added to the raw file after the run) keeps its numbers in the file
+    and is shown as excluded, outside the ranges."""
     runs = [_load(p) for p in paths]
     rows = [row for run in runs for row in run["rows"] if not row.get("error")]
     cell = {(r["problem"], r["method"]): r for r in rows}
-    body, backward, forward = [], [], []
+    body, backward, forward, excluded = [], [], [], {}
     for problem in dict.fromkeys(r["problem"] for r in rows):
         get = lambda method, what: cell[(problem, method)][f"{what}_tflops"]
         dash = cell[(problem, "dash_auto")]
-        backward.append(get("dash_auto", "backward") / get("fa4_det", "backward"))
-        forward.append(get("dash_auto", "forward") / get("fa4", "forward"))
+        if dash.get("excluded"):
+            excluded[problem] = dash["excluded"]
+            ours = ["excluded", "—", f"{get('fa4', 'forward'):.0f}", "excluded", "—"]
+        else:
+            backward.append(get("dash_auto", "backward") / get("fa4_det", "backward"))
+            forward.append(get("dash_auto", "forward") / get("fa4", "forward"))
+            ours = [f"{dash['backward_tflops']:.0f} ({dash['backend']})", f"{backward[-1]:.2f}",
+                    f"{get('fa4', 'forward'):.0f}", f"{get('dash_auto', 'forward'):.0f}",
+                    f"{forward[-1]:.2f}"]
         body.append([problem, f"{get('sdpa_off', 'backward'):.0f}", f"{get('fa4', 'backward'):.0f}",
-                     f"{get('fa4_det', 'backward'):.0f}",
-                     f"{dash['backward_tflops']:.0f} ({dash['backend']})", f"{backward[-1]:.2f}",
-                     f"{get('fa4', 'forward'):.0f}", f"{get('dash_auto', 'forward'):.0f}",
-                     f"{forward[-1]:.2f}"])
+                     f"{get('fa4_det', 'backward'):.0f}", *ours])
     header = ["problem", "bwd cuDNN (det. off)", "bwd FA4", "bwd FA4 det.", "bwd dash auto",
               "dash / FA4 det.", "fwd FA4", "fwd dash", "dash / FA4"]
     env = runs[0]["environment"]
+    notes = "".join(f"- dash at {' and '.join(p for p in excluded if excluded[p] == reason)}: "
+                    f"excluded, {reason}\n" for reason in dict.fromkeys(excluded.values()))
     return (_where(list(paths), env["gpu"], env["torch"], env["triton"],
                    " · TFLOP/s, B·N = 16384, H·D = 2048, bf16") + "\n"
             + _table(header, body)
             + f"\n- backward: dash / FA4 deterministic {_span(backward, 2)}×; forward: dash / FA4 "
-              f"{_span(forward, 2)}×\n")
+              f"{_span(forward, 2)}×{' (the other points)' if excluded else ''}\n" + notes)
 
 
 def packed(path: str) -> str:

@@ -5,6 +5,7 @@ in the page, and no code names a results folder."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -65,3 +66,22 @@ def test_no_code_names_a_results_folder():
                            for part in p.relative_to(ROOT).parts)]
     cited = [str(p.relative_to(ROOT)) for p in tracked if folder.search(p.read_text())]
     assert not cited
+
+
+def test_an_excluded_fa4_row_is_shown_as_such_and_left_out_of_the_ranges(tmp_path):
+    methods = ("sdpa_off", "fa4", "fa4_det", "dash_auto")
+
+    def row(problem: str, method: str, speed: float) -> dict:
+        return {"problem": problem, "method": method, "backend": "shift",
+                "forward_tflops": 500.0 * speed, "backward_tflops": 400.0 * speed}
+
+    rows = [row("a", m, 1.0) for m in methods] + [row("b", m, 1.0) for m in methods[:3]]
+    rows.append({**row("b", "dash_auto", 0.25), "excluded": "a reason"})
+    env = {"gpu": "GPU", "torch": "2.11", "triton": "3.6"}
+    path = tmp_path / "2026-01-01-h100-abcdef0" / "fa4.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"environment": env, "rows": rows}))
+    text = doc_tables.fa4(str(path))
+    assert "| b | 400 | 400 | 400 | excluded | — | 500 | excluded | — |" in text
+    assert "deterministic 1.00×; forward: dash / FA4 1.00× (the other points)" in text
+    assert "- dash at b: excluded, a reason" in text
