@@ -39,6 +39,7 @@ import dash_inductor  # noqa: E402
 import outdir  # noqa: E402
 from methods import determinism, top_kernels  # noqa: E402
 from dash_inductor import integrations  # noqa: E402
+from dash_inductor.ops.shared import native  # noqa: E402
 from dash_inductor.library import op as library
 
 #: name -> (attn_implementation, deterministic algorithms, "DASH" provider active)
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.device)
     print(f"{env['device']}, torch {env['torch']}: {args.layers} layers, hidden {args.hidden}, "
           f"{args.heads} heads, batch {args.batch} x {args.seq}")
+    if args.device == "cuda":  # time steps with dash's C++ replayer, not while it loads beside them
+        native.load(wait=True)
     rows = []
     for name in VARIANTS:
         try:

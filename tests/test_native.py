@@ -144,3 +144,11 @@ def test_a_profilers_launch_hook_turns_the_replay_off():
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert not native.launch_hooked()
+
+
+def test_waiting_for_the_replayer_blocks_until_it_loads(module, monkeypatch):
+    assert signatures.wait_for_replayer() is True and native.loaded() is module
+    asked = []
+    monkeypatch.setattr(native, "load", lambda wait=False: asked.append(wait))
+    assert signatures.wait_for_replayer() is False  # off, or it failed to build
+    assert asked == [True]

@@ -247,6 +247,12 @@ def native_plan(handle: int, index: int) -> Plan | None:
     return signature.forward_plan if index < 0 else signature.native_plans[index]
 
 
+def wait_for_replayer() -> bool:
+    """Block until the C++ replayer has loaded (built on first use, in a thread of its own);
+    whether calls now run it. Timings taken while it loads share the GIL with that thread."""
+    return native.load(wait=True) is not None
+
+
 def clear() -> None:
     """Forget every signature and the plans it holds (``dash_inductor.ops.cache_clear`` too), and
     the calls the ops' C++ kernels replay; with the replayer switched off, those kernels too."""
