@@ -310,8 +310,8 @@ def time_ms(fn: Callable[[], object], grad_to_none: list[Tensor] | None = None,
             warmup: int = 10, rep: int = 40) -> float:
     """The median of ``triton.testing.do_bench`` in ms (it synchronises and flushes L2).
 
-    Waits for dash's C++ replayer first: while it builds, in a thread of its own, that thread holds
-    the GIL for up to the switch interval (5 ms) at a time and every host-bound call waits on it.
+    Waits for dash's C++ replayer first: it loads in a thread of its own that shares the GIL with
+    the timed calls, and a grid's first problem, timed meanwhile, read 2-5x slow.
     """
     from triton.testing import do_bench
 

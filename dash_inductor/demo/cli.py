@@ -278,7 +278,7 @@ def demo(cfg: DemoConfig, out: Callable[[str], None] = print,
             "three.")
 
     if on_gpu:  # every variant's steps are timed with no load running beside them
-        out("Loading dash's C++ replayer (built once per torch version: about a minute the first time)")
+        out("Loading dash's C++ replayer (built once per torch version, about a minute)")
         wait_for_replayer()
     variants: list[Variant] = []
     with quiet_cache_key_warnings():
