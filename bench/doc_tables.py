@@ -195,15 +195,16 @@ def fa4(*paths: str) -> str:
         dash = cell[(problem, "dash_auto")]
         if dash.get("excluded"):
             excluded[problem] = dash["excluded"]
-            ours = ["excluded", "—", f"{get('fa4', 'forward'):.0f}", "excluded", "—"]
+            bwd, bwd_ratio, fwd, fwd_ratio = "excluded", "—", "excluded", "—"
         else:
             backward.append(get("dash_auto", "backward") / get("fa4_det", "backward"))
             forward.append(get("dash_auto", "forward") / get("fa4", "forward"))
-            ours = [f"{dash['backward_tflops']:.0f} ({dash['backend']})", f"{backward[-1]:.2f}",
-                    f"{get('fa4', 'forward'):.0f}", f"{get('dash_auto', 'forward'):.0f}",
-                    f"{forward[-1]:.2f}"]
+            bwd = f"{dash['backward_tflops']:.0f} ({dash['backend']})"
+            bwd_ratio = f"{backward[-1]:.2f}"
+            fwd, fwd_ratio = f"{get('dash_auto', 'forward'):.0f}", f"{forward[-1]:.2f}"
         body.append([problem, f"{get('sdpa_off', 'backward'):.0f}", f"{get('fa4', 'backward'):.0f}",
-                     f"{get('fa4_det', 'backward'):.0f}", *ours])
+                     f"{get('fa4_det', 'backward'):.0f}", bwd, bwd_ratio,
+                     f"{get('fa4', 'forward'):.0f}", fwd, fwd_ratio])
     header = ["problem", "bwd cuDNN (det. off)", "bwd FA4", "bwd FA4 det.", "bwd dash auto",
               "dash / FA4 det.", "fwd FA4", "fwd dash", "dash / FA4"]
     env = runs[0]["environment"]
