@@ -67,6 +67,7 @@ def _check_backward(row: dict, schedule: str, head_dim: int, causal: bool,
     assert (row["ticket_release"] > 0) == sched.ordered
     if not (varlen or sched.separate_dq):  # staged in fragment order: 16-byte stores only
         assert row["shared_v2_stores"] == 0
+    assert row["narrow_stores"] == 0  # dK and dV go out 16 bytes a thread
     assert row["shared"] <= 227 * 1024
     assert row["wgmma_serialized"] == 0, "ptxas serializes the wgmma (advisory C7512)"
 

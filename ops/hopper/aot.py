@@ -67,8 +67,10 @@ def compile_backward(dtype: str, head_dim: int, schedule: str, causal: bool, gro
     signature.update({"qk_scale": "fp32", "sm_scale": "fp32", "max_spin": "i32", "RNG": "*i64",
                       "drop_threshold": "i32", "drop_scale": "fp32"})
     signature.update({name: "constexpr" for name in constexprs})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
-             if kind.startswith("*")}
+    # As the launcher's calls specialize them: pointers and strides (multiples of the head dim)
+    # divisible by 16, which lets dK and dV go out 16 bytes a thread.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+             if kind.startswith("*") or name.startswith("stride_")}
     source = GluonASTSource(backward_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=SM90, options={"num_warps": cfg.num_warps})
 
@@ -102,6 +104,8 @@ _PTX_FEATURES = {
     "tma_loads": r"cp\.async\.bulk\.tensor\.[34]d\.shared::\w+\.global",
     "tma_stores": r"cp\.async\.bulk\.tensor\.[34]d\.global\.shared::",
     "masked_stores": r"@%p\d+ st\.global\.v4\.b32",
+    # 4-byte global stores: dK and dV straight from the accumulator's layout (two 16-bit values)
+    "narrow_stores": r"st\.global\.b32",
     "setmaxnreg_inc": r"setmaxnreg\.inc",
     "setmaxnreg_dec": r"setmaxnreg\.dec",
     "dq_adds": r"red\.global\.gpu\.relaxed\.add\.v4\.f32",

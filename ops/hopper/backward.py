@@ -259,11 +259,11 @@ def _compute_partition(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ds
                     else:
                         store_kv_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi,
                                        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
-                                       stride_dvn, sm_scale, drop_scale, offs_kn, offs_kd, dtype)
+                                       stride_dvn, sm_scale, drop_scale, dtype, num_warps)
                 else:
                     store_kv_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb,
                                    stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                                   sm_scale, drop_scale, offs_kn, offs_kd, dtype)
+                                   sm_scale, drop_scale, dtype, num_warps)
         work = w.next(work, claim, num_warps)
         claim += 1
     if TAIL_CONVERT:  # out of items: convert the finished rows while the others compute

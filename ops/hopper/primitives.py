@@ -141,14 +141,33 @@ def zero_outside(buf, lo, hi, num_warps: gl.constexpr):
     partition_barrier()
 
 
+@gluon.constexpr_function
+def rows_layout(block_n, head_d, num_warps):
+    """A layout of a (block_n, head_d) 16-bit tile that holds the wgmma accumulator's rows on the
+    same warps and lanes (warps of 16 rows; a lane's rows r and r + 8) but eight adjacent columns
+    a thread: the accumulator's two, and those of the three other lanes of its quad. Converting
+    to it moves values within a warp only, and each thread then stores 16 bytes at a time."""
+    cols = [[0, 1], [0, 2], [0, 4]] + [[0, 32 << j] for j in range(head_d.bit_length() - 6)]
+    rows = [[16 * num_warps << j, 0] for j in range((block_n // (16 * num_warps)).bit_length() - 1)]
+    lanes = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
+    warps = [[16 << j, 0] for j in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(cols[:3] + [[8, 0]] + cols[3:] + rows, lanes, warps, [],
+                                      [block_n, head_d])
+
+
 @gluon.jit
 def store_kv_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb, stride_dkh,
-                   stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, dv_scale, offs_kn,
-                   offs_kd, dtype: gl.constexpr):
+                   stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, dv_scale,
+                   dtype: gl.constexpr, num_warps: gl.constexpr):
     """Write KV tile ``kv``'s finished dK and dV, scaled (dV by dropout's 1 / (1 - p), 1.0
     without: the kept P^T summed, then scaled once, as the portable kernel), the keys of its
-    sequence only."""
-    BLOCK_N: gl.constexpr = offs_kn.shape[0]
+    sequence only; 16 bytes a thread a store (``rows_layout``): two bytes a lane coalesced
+    poorly, at the end of every KV tile while the tensor cores wait."""
+    BLOCK_N: gl.constexpr = dk.shape[0]
+    HEAD_D: gl.constexpr = dk.shape[1]
+    layout: gl.constexpr = rows_layout(BLOCK_N, HEAD_D, num_warps)
+    offs_kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    offs_kd = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
     keys = kv * BLOCK_N + offs_kn
     in_keys = gl.expand_dims((keys >= k_lo) & (keys < k_hi), 1)
     packed_keys = gl.expand_dims(k_start + keys, 1).to(gl.int64)
@@ -156,5 +175,5 @@ def store_kv_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb, 
                + packed_keys * stride_dkn + gl.expand_dims(offs_kd, 0))
     dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + hkv.to(gl.int64) * stride_dvh
                + packed_keys * stride_dvn + gl.expand_dims(offs_kd, 0))
-    gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=in_keys)
-    gl.store(dv_ptrs, (dv * dv_scale).to(dtype), mask=in_keys)
+    gl.store(dk_ptrs, gl.convert_layout((dk * sm_scale).to(dtype), layout), mask=in_keys)
+    gl.store(dv_ptrs, gl.convert_layout((dv * dv_scale).to(dtype), layout), mask=in_keys)
