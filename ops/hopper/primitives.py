@@ -145,8 +145,9 @@ def zero_outside(buf, lo, hi, num_warps: gl.constexpr):
 def rows_layout(block_n, head_d, num_warps):
     """A layout of a (block_n, head_d) 16-bit tile that holds the wgmma accumulator's rows on the
     same warps and lanes (warps of 16 rows; a lane's rows r and r + 8) but eight adjacent columns
-    a thread: the accumulator's two, and those of the three other lanes of its quad. Converting
-    to it moves values within a warp only, and each thread then stores 16 bytes at a time."""
+    a thread: the accumulator's two, and those of the three other lanes of its quad. Values move
+    within a warp only (Triton stages them through 3.7 KB of shared memory), and each thread then
+    stores 16 bytes at a time."""
     cols = [[0, 1], [0, 2], [0, 4]] + [[0, 32 << j] for j in range(head_d.bit_length() - 6)]
     rows = [[16 * num_warps << j, 0] for j in range((block_n // (16 * num_warps)).bit_length() - 1)]
     lanes = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
@@ -161,8 +162,9 @@ def store_kv_grads(DK, DV, dk, dv, b, hkv, kv, k_start, k_lo, k_hi, stride_dkb, 
                    dtype: gl.constexpr, num_warps: gl.constexpr):
     """Write KV tile ``kv``'s finished dK and dV, scaled (dV by dropout's 1 / (1 - p), 1.0
     without: the kept P^T summed, then scaled once, as the portable kernel), the keys of its
-    sequence only; 16 bytes a thread a store (``rows_layout``): two bytes a lane coalesced
-    poorly, at the end of every KV tile while the tensor cores wait."""
+    sequence only; 16 bytes a thread a store (``rows_layout``): the accumulator's four bytes a
+    store left half of each sector unwritten, at the end of every KV tile while the tensor cores
+    wait."""
     BLOCK_N: gl.constexpr = dk.shape[0]
     HEAD_D: gl.constexpr = dk.shape[1]
     layout: gl.constexpr = rows_layout(BLOCK_N, HEAD_D, num_warps)
