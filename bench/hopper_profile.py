@@ -1,16 +1,21 @@
-"""One Hopper launch to profile, after two warm-up launches (compile, caches):
+"""Hopper launches to profile, after two warm-up launches (compile, caches):
 
     ncu --clock-control none --set full -k regex:^backward_kernel -s 2 -c 1 -o REPORT \\
         python3 bench/hopper_profile.py --shape 4,16,4,4096,128 --causal yes --schedule shift
 
 ``--op forward`` runs the forward instead (kernel ``forward_kernel``), and ``--method fa4``
-FlashAttention-4's forward on the same values in its layout, to set the two side by side. Nsight
-Compute then reports the third launch; docs/kernels-notes.md cites what it showed.
+FlashAttention-4's forward on the same values in its layout, to set the two side by side.
+``--config`` overrides fields of the op's Hopper config (``bench/hopper_tune.py``'s form),
+``--launches`` how many launches follow the warm-ups. Prints ``digest`` and a hash of the last
+launch's outputs (dash's forward: out and lse; backward: dQ, dK, dV), by which
+``bench/hopper_cycles.py`` checks that a config changed no bit. docs/kernels-notes.md cites what
+the profiles showed.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 
@@ -19,8 +24,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hopper_check import _forward, _hopper, inputs  # noqa: E402
-from hopper_tune import parse_shape  # noqa: E402
+from hopper_forward import _run as _forward_with  # noqa: E402
+from hopper_tune import parse_config, parse_shape  # noqa: E402
 from methods import fa4_layout  # noqa: E402
+
+WARMUPS = 2
+
+
+def digest(tensors: tuple[torch.Tensor, ...]) -> str:
+    """A hash of the tensors' bytes, equal exactly when every bit is."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def main() -> int:
@@ -32,23 +48,27 @@ def main() -> int:
     parser.add_argument("--op", choices=("backward", "forward"), default="backward")
     parser.add_argument("--method", choices=("dash", "fa4"), default="dash",
                         help="fa4: FlashAttention-4's forward (--op forward only)")
+    parser.add_argument("--config", default="", help="config fields, e.g. stages=2,pingpong=1")
+    parser.add_argument("--launches", type=int, default=1, help="launches after the warm-ups")
     args = parser.parse_args()
     causal = args.causal == "yes"
     q, k, v, do = inputs(*args.shape)
+    cfg = parse_config(args.config, args.op, args.shape[-1], causal) if args.config else None
     if args.method == "fa4":
         from flash_attn.cute import flash_attn_func
 
         q4, k4, v4 = fa4_layout((q, k, v))
-        for _ in range(3):
-            flash_attn_func(q4, k4, v4, causal=causal)
+        run = lambda: flash_attn_func(q4, k4, v4, causal=causal)
     elif args.op == "forward":
-        for _ in range(3):
-            _forward(q, k, v, causal)
+        run = lambda: _forward_with("hopper", q, k, v, causal, cfg)
     else:
         out, lse = _forward(q, k, v, causal)
-        for _ in range(3):
-            _hopper(q, k, v, do, out, lse, causal, args.schedule)
+        run = lambda: _hopper(q, k, v, do, out, lse, causal, args.schedule, cfg)
+    for _ in range(WARMUPS + args.launches):
+        result = run()
     torch.cuda.synchronize()
+    if args.method == "dash":
+        print("digest", digest(result), flush=True)
     return 0
 
 
