@@ -4,7 +4,9 @@ configs; and bench/hopper_profile.py's digest, which tells a changed bit."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -68,3 +70,39 @@ def test_the_digest_changes_with_any_bit(dtype: torch.dtype) -> None:
     bits.view(-1)[random.randrange(b.numel())] ^= 1
     assert hopper_profile.digest((a, b)) != hopper_profile.digest((a, a.clone()))
     assert hopper_profile.digest((torch.zeros(2),)) != hopper_profile.digest((-torch.zeros(2),))
+
+
+def test_a_run_alternates_configs_and_writes_each_rounds_row(monkeypatch, tmp_path) -> None:
+    """main() with ncu replaced by canned output: the default and each config in every round, in
+    that order, and one JSON row a round with the configs' ratios and bit flags."""
+    calls = []
+    cycles = {"": 1000, "stages=2": 900, "row_sums_at_end=1": 1100}
+
+    def fake_run(command, capture_output, text):
+        config = command[command.index("--config") + 1]
+        calls.append(config)
+        digest = "b" if config.startswith("row_sums") else "a"
+        return subprocess.CompletedProcess(command, 0, ncu_output([cycles[config]] * 3, digest), "")
+
+    monkeypatch.setattr(hopper_cycles.subprocess, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["hopper_cycles.py", "--op", "forward", "--shape",
+                                      "1,2,2,256,64", "--causal", "no", "--config", "stages=2",
+                                      "--config", "row_sums_at_end=1", "--rounds", "2",
+                                      "--launches", "3", "--out", str(tmp_path)])
+    assert hopper_cycles.main() == 0
+    assert calls == ["", "stages=2", "row_sums_at_end=1"] * 2
+    rows = json.loads((tmp_path / "hopper_cycles.json").read_text())["rows"]
+    assert [row["round"] for row in rows] == [0, 1]
+    configs = rows[0]["configs"]
+    assert configs["stages=2"]["ratio"] == pytest.approx(0.9)
+    assert configs["stages=2"]["bits_equal_default"] is True
+    assert configs["row_sums_at_end=1"]["bits_equal_default"] is False
+
+
+def test_a_run_without_cycles_fails_with_what_ncu_printed(monkeypatch) -> None:
+    def fake_run(command, capture_output, text):
+        return subprocess.CompletedProcess(command, 1, "", "==ERROR== ERR_NVGPUCTRPERM")
+
+    monkeypatch.setattr(hopper_cycles.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match="ERR_NVGPUCTRPERM"):
+        hopper_cycles.profile(["ncu"])
