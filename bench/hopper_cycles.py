@@ -11,9 +11,9 @@ default's (a config changes speed, never bits). Cycles rather than milliseconds:
 drifts with power and heat (1.70-1.74 GHz between two profiles of one session) and
 ``bench/hopper_tune.py``'s timings of one config differed by up to 17% between two rounds of one
 run, where one kernel's cycles at two shapes of equal work differed by 0.02% (ours) and 0.9%
-(FlashAttention-4's). The count covers
-the main kernel only (``forward_kernel`` or ``backward_kernel``), not the backward's preprocess
-or dQ conversion. Writes ``hopper_cycles.json`` to ``--out``.
+(FlashAttention-4's). The count covers the main kernel only (``forward_kernel`` or
+``backward_kernel``), not the backward's preprocess or dQ conversion. Writes
+``hopper_cycles.json`` to ``--out``.
 """
 
 from __future__ import annotations

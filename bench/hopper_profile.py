@@ -6,8 +6,8 @@
 ``--op forward`` runs the forward instead (kernel ``forward_kernel``), and ``--method fa4``
 FlashAttention-4's forward on the same values in its layout, to set the two side by side.
 ``--config`` overrides fields of the op's Hopper config (``bench/hopper_tune.py``'s form),
-``--launches`` how many launches follow the warm-ups. Prints ``digest`` and a hash of the last
-launch's outputs (dash's forward: out and lse; backward: dQ, dK, dV), by which
+``--launches`` how many launches follow the warm-ups. For dash it prints a line ``digest HASH``
+of the last launch's outputs (forward: out and lse; backward: dQ, dK, dV), by which
 ``bench/hopper_cycles.py`` checks that a config changed no bit. docs/kernels-notes.md cites what
 the profiles showed.
 """
@@ -51,6 +51,8 @@ def main() -> int:
     parser.add_argument("--config", default="", help="config fields, e.g. stages=2,pingpong=1")
     parser.add_argument("--launches", type=int, default=1, help="launches after the warm-ups")
     args = parser.parse_args()
+    if args.method == "fa4" and (args.op != "forward" or args.config):
+        parser.error("--method fa4 runs FlashAttention-4's forward: --op forward, no --config")
     causal = args.causal == "yes"
     q, k, v, do = inputs(*args.shape)
     cfg = parse_config(args.config, args.op, args.shape[-1], causal) if args.config else None
