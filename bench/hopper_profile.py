@@ -23,9 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hopper_check import _forward, _hopper, inputs  # noqa: E402
-from hopper_forward import _run as _forward_with  # noqa: E402
-from hopper_tune import parse_config, parse_shape  # noqa: E402
+from hopper_check import inputs  # noqa: E402
+from hopper_tune import parse_config, parse_shape, runner  # noqa: E402
 from methods import fa4_layout  # noqa: E402
 
 WARMUPS = 2
@@ -61,11 +60,9 @@ def main() -> int:
 
         q4, k4, v4 = fa4_layout((q, k, v))
         run = lambda: flash_attn_func(q4, k4, v4, causal=causal)
-    elif args.op == "forward":
-        run = lambda: _forward_with("hopper", q, k, v, causal, cfg)
     else:
-        out, lse = _forward(q, k, v, causal)
-        run = lambda: _hopper(q, k, v, do, out, lse, causal, args.schedule, cfg)
+        run_config = runner(args.op, q, k, v, do, causal, args.schedule)
+        run = lambda: run_config(cfg)
     for _ in range(WARMUPS + args.launches):
         result = run()
     torch.cuda.synchronize()

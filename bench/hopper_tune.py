@@ -54,6 +54,16 @@ def parse_config(text: str, op: str, head_dim: int,
                                         for k, v in fields.items()})
 
 
+def runner(op: str, q, k, v, do, causal: bool, schedule: str):
+    """``run(cfg)``: one Hopper launch of ``op`` on these inputs with config ``cfg`` (None: the
+    default), returning its outputs (out and lse, or dQ, dK, dV; the backward's own forward runs
+    once, here)."""
+    if op == "forward":
+        return lambda cfg: _forward_with("hopper", q, k, v, causal, cfg)
+    out, lse = _forward(q, k, v, causal)
+    return lambda cfg: _hopper(q, k, v, do, out, lse, causal, schedule, cfg)
+
+
 def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     """``"4,16,4,4096,128"`` -> (batch, query heads, KV heads, sequence length, head dim)."""
     shape = tuple(int(x) for x in text.split(","))
@@ -88,10 +98,8 @@ def main() -> int:
             configs.update({text: parse_config(text, args.op, shape[-1], causal)
                             for text in args.config})
             q, k, v, do = inputs(*shape)
-            out, lse = (None, None) if forward else _forward(q, k, v, causal)
             for schedule in schedules:
-                run = ((lambda cfg: _forward_with("hopper", q, k, v, causal, cfg)) if forward else
-                       (lambda cfg: _hopper(q, k, v, do, out, lse, causal, schedule, cfg)))
+                run = runner(args.op, q, k, v, do, causal, schedule)
                 same = {}
                 if schedule != "atomic":  # the one schedule whose bits may change anyway
                     results = {name: run(cfg) for name, cfg in configs.items()}
