@@ -22,6 +22,8 @@ def test_dropout_bench_times_every_method_on_the_cpu(tmp_path):
     assert [row["label"] for row in result["rows"]] == ["d16 full N=64", "d16 causal N=64"]
     for row in result["rows"]:
         assert "dash p portable" in dropout.methods_for("cpu")
+        assert "SDPA flash p" not in dropout.methods_for("cpu")
+        assert "SDPA flash p" in dropout.methods_for("cuda")
         for name in dropout.methods_for("cpu"):
             assert row[name]["forward_ms"] > 0 and row[name]["backward_ms"] > 0
         assert row["dash backward p / p=0"] > 0
