@@ -13,14 +13,14 @@ At B·N = 16k, H·D = 2048, bf16, causal and full, each method through its publi
 - ``SDPA det. on p``: ``F.scaled_dot_product_attention(dropout_p=p)`` under deterministic
   algorithms (what PyTorch runs for a deterministic model with dropout);
 - ``SDPA det. off p``: the same with determinism off;
-- ``SDPA flash p=0`` and ``SDPA flash p``: PyTorch's FlashAttention-2 kernels pinned
-  (``sdpa_kernel``), determinism off, without and with dropout: what the fastest dropout PyTorch
-  has pays for its mask (CUDA only).
+- ``SDPA flash p=0``, ``SDPA flash p``, ``SDPA cuDNN p=0``, ``SDPA cuDNN p``: PyTorch's
+  FlashAttention-2 and cuDNN kernels pinned (``sdpa_kernel``), determinism off, without and with
+  dropout: what PyTorch's own dropout pays for its mask (CUDA only).
 
 Forward and backward ms (``triton.testing.do_bench`` medians, the backward of a retained graph),
 the kernel path and schedule dash's backward ran, and the ratios the dropout issue names: dash's
 backward with dropout over without, and SDPA determinism on over dash, both with dropout; and
-FlashAttention-2's backward with dropout over without, the same ratio for a peer.
+the same ratio for FlashAttention-2's and cuDNN's backward.
 """
 
 from __future__ import annotations
@@ -47,11 +47,15 @@ from dash_inductor.library.op import last_plans  # noqa: E402
 Attention = Callable[..., torch.Tensor]
 
 
-def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _pinned(backend: str) -> Attention:
+    """SDPA with one of PyTorch's kernels pinned (``sdpa_kernel``)."""
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    return run
 
 
 #: name -> (determinism on, attention, dropout taken from --p)
@@ -62,11 +66,15 @@ METHODS: dict[str, tuple[bool, Attention, bool]] = {
     "dash p hopper": (True, partial(dash_inductor.attention, kernel="hopper"), True),
     "SDPA det. on p": (True, F.scaled_dot_product_attention, True),
     "SDPA det. off p": (False, F.scaled_dot_product_attention, True),
-    "SDPA flash p=0": (False, _flash_sdpa, False),
-    "SDPA flash p": (False, _flash_sdpa, True),
+    "SDPA flash p=0": (False, _pinned("FLASH_ATTENTION"), False),
+    "SDPA flash p": (False, _pinned("FLASH_ATTENTION"), True),
+    "SDPA cuDNN p=0": (False, _pinned("CUDNN_ATTENTION"), False),
+    "SDPA cuDNN p": (False, _pinned("CUDNN_ATTENTION"), True),
 }
-#: Methods that run on CUDA only: dash's Hopper kernels, PyTorch's FlashAttention-2.
-CUDA_ONLY = ("dash p hopper", "SDPA flash p=0", "SDPA flash p")
+#: Methods that run on CUDA only: dash's Hopper kernels, PyTorch's FlashAttention-2 and cuDNN.
+CUDA_ONLY = ("dash p hopper", "SDPA flash p=0", "SDPA flash p", "SDPA cuDNN p=0", "SDPA cuDNN p")
+#: Peers whose backward with dropout over without is reported beside dash's.
+PEERS = ("SDPA flash", "SDPA cuDNN")
 
 
 def methods_for(device: str) -> list[str]:
@@ -138,9 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         row["dash backward p / p=0"] = row["dash p"]["backward_ms"] / row["dash p=0"]["backward_ms"]
         row["SDPA det. on / dash backward, p"] = (row["SDPA det. on p"]["backward_ms"]
                                                   / row["dash p"]["backward_ms"])
-        if "SDPA flash p" in samples:
-            row["SDPA flash backward p / p=0"] = (row["SDPA flash p"]["backward_ms"]
-                                                  / row["SDPA flash p=0"]["backward_ms"])
+        for peer in PEERS:
+            if f"{peer} p" in samples:
+                row[f"{peer} backward p / p=0"] = (row[f"{peer} p"]["backward_ms"]
+                                                   / row[f"{peer} p=0"]["backward_ms"])
         rows.append(row)
         print(f"{problem.label:22s} dash bwd p=0 {row['dash p=0']['backward_ms']:.3f} ms, "
               f"p={args.p} {row['dash p']['backward_ms']:.3f} ({ran}): "
@@ -149,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
               f"x{row['SDPA det. on / dash backward, p']:.2f}; fwd/bwd p by kernel: "
               + ", ".join(f"{n[7:]} {row[n]['forward_ms']:.3f}/{row[n]['backward_ms']:.3f}"
                           for n in names if n.startswith("dash p "))
-              + (f"; FlashAttention-2 bwd p / p=0 x{row['SDPA flash backward p / p=0']:.2f}"
-                 if "SDPA flash backward p / p=0" in row else ""), flush=True)
+              + "".join(f"; {peer} bwd p / p=0 x{row[f'{peer} backward p / p=0']:.2f}"
+                        for peer in PEERS if f"{peer} backward p / p=0" in row), flush=True)
     env = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "torch": torch.__version__, "p": args.p, "rounds": args.rounds}
     out = args.out or outdir.default_dir(env["device"])

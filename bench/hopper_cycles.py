@@ -24,6 +24,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,10 +59,13 @@ def parse_ncu(text: str) -> tuple[list[int], str | None]:
     return cycles, digest
 
 
-def profile(command: list[str]) -> tuple[list[int], str]:
+def profile(command: list[str], label: str = "") -> tuple[list[int], str]:
     """Run :func:`ncu_command`'s ``command``: (cycles of each launch, the outputs' digest), or an
-    error with the end of what it printed."""
+    error with the end of what it printed. Prints how long the process took, so that a run cut
+    short still shows where its time went."""
+    start = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True)
+    print(f"  {label} {time.monotonic() - start:.0f} s", flush=True)
     cycles, digest = parse_ncu(done.stdout)
     if done.returncode or not cycles or digest is None:
         tail = (done.stdout + done.stderr)[-2000:]
@@ -105,7 +109,7 @@ def main() -> int:
                 for round_ in range(args.rounds):
                     runs = {name: profile(ncu_command(args.op, shape, causal, schedule,
                                                       "" if name == "default" else name,
-                                                      args.launches))
+                                                      args.launches), name)
                             for name in configs}
                     row = {"shape": shape, "causal": causal, "schedule": schedule,
                            "round": round_, "configs": compare(runs)}
