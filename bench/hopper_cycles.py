@@ -3,9 +3,9 @@
     python3 bench/hopper_cycles.py --op forward --shape 4,16,16,4096,128 --causal no \\
         --config stages=2 --config pingpong=1 --rounds 3 [--out DIR]
 
-For each (shape, mask, schedule), each round runs every config (the default first) in a process
-of its own under ``ncu --clock-control none --metrics gpc__cycles_elapsed.max`` on
-``bench/hopper_profile.py``, which launches the kernel after two warm-ups ``--launches`` times;
+For each (shape, mask, schedule), every config is compiled first without ncu; then each round
+runs every config (the default first) in a process of its own under ``ncu --clock-control none
+--metrics gpc__cycles_elapsed.max`` on ``bench/hopper_profile.py``, which launches the kernel after two warm-ups ``--launches`` times;
 the row keeps the median of the launches' cycles, and whether the config's outputs hash to the
 default's (a config changes speed, never bits). Cycles rather than milliseconds: the SM clock
 drifts with power and heat (1.70-1.74 GHz between two profiles of one session) and
@@ -35,15 +35,32 @@ METRIC = "gpc__cycles_elapsed.max"
 KERNELS = {"forward": "forward_kernel", "backward": "backward_kernel"}
 
 
-def ncu_command(op: str, shape: tuple[int, ...], causal: bool, schedule: str, config: str,
-                launches: int) -> list[str]:
-    """The command that profiles ``launches`` launches of one config after the warm-ups."""
+def profile_command(op: str, shape: tuple[int, ...], causal: bool, schedule: str, config: str,
+                    launches: int) -> list[str]:
+    """The command that launches one config's kernel ``launches`` times after the warm-ups."""
     profile = Path(__file__).resolve().parent / "hopper_profile.py"
-    return ["ncu", "--clock-control", "none", "--metrics", METRIC, "--csv",
-            "-k", f"regex:^{KERNELS[op]}", "-s", "2", "-c", str(launches),
-            sys.executable, str(profile), "--op", op, "--shape", ",".join(map(str, shape)),
+    return [sys.executable, str(profile), "--op", op, "--shape", ",".join(map(str, shape)),
             "--causal", "yes" if causal else "no", "--schedule", schedule,
             "--config", config, "--launches", str(launches)]
+
+
+def ncu_command(op: str, shape: tuple[int, ...], causal: bool, schedule: str, config: str,
+                launches: int) -> list[str]:
+    """:func:`profile_command` under ncu, which profiles the ``launches`` launches after the
+    warm-ups; the compiler's processes run without ncu attached."""
+    return ["ncu", "--clock-control", "none", "--target-processes", "application-only",
+            "--metrics", METRIC, "--csv", "-k", f"regex:^{KERNELS[op]}", "-s", "2",
+            "-c", str(launches), *profile_command(op, shape, causal, schedule, config, launches)]
+
+
+def compile_first(command: list[str], label: str) -> None:
+    """Run :func:`profile_command`'s ``command`` once without ncu, so that the profiled runs find
+    the kernel compiled in Triton's cache."""
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True)
+    print(f"  compiled {label} in {time.monotonic() - start:.0f} s", flush=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{(done.stdout + done.stderr)[-2000:]}")
 
 
 def parse_ncu(text: str) -> tuple[list[int], str | None]:
@@ -106,6 +123,9 @@ def main() -> int:
     for shape in args.shape:
         for causal in masks:
             for schedule in schedules:
+                for name in configs:
+                    compile_first(profile_command(args.op, shape, causal, schedule,
+                                                  "" if name == "default" else name, 0), name)
                 for round_ in range(args.rounds):
                     runs = {name: profile(ncu_command(args.op, shape, causal, schedule,
                                                       "" if name == "default" else name,

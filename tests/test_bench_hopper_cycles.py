@@ -36,6 +36,7 @@ def test_the_command_profiles_the_ops_kernel_with_the_config() -> None:
     command = hopper_cycles.ncu_command("forward", (4, 16, 4, 4096, 128), True, "forward",
                                         "stages=2", 5)
     assert command[0] == "ncu" and "regex:^forward_kernel" in command
+    assert command[command.index("--target-processes") + 1] == "application-only"
     assert command[command.index("-c") + 1] == "5" == command[command.index("--launches") + 1]
     assert command[command.index("--config") + 1] == "stages=2"
     assert command[command.index("--shape") + 1] == "4,16,4,4096,128"
@@ -73,13 +74,17 @@ def test_the_digest_changes_with_any_bit(dtype: torch.dtype) -> None:
 
 
 def test_a_run_alternates_configs_and_writes_each_rounds_row(monkeypatch, tmp_path) -> None:
-    """main() with ncu replaced by canned output: the default and each config in every round, in
-    that order, and one JSON row a round with the configs' ratios and bit flags."""
-    calls = []
+    """main() with ncu replaced by canned output: each config compiled once without ncu, then the
+    default and each config in every round, in that order, and one JSON row a round with the
+    configs' ratios and bit flags."""
+    calls, compiled = [], []
     cycles = {"": 1000, "stages=2": 900, "row_sums_at_end=1": 1100}
 
     def fake_run(command, capture_output, text):
         config = command[command.index("--config") + 1]
+        if command[0] != "ncu":  # the compile pass
+            compiled.append(config)
+            return subprocess.CompletedProcess(command, 0, "digest a", "")
         calls.append(config)
         digest = "b" if config.startswith("row_sums") else "a"
         return subprocess.CompletedProcess(command, 0, ncu_output([cycles[config]] * 3, digest), "")
@@ -90,6 +95,7 @@ def test_a_run_alternates_configs_and_writes_each_rounds_row(monkeypatch, tmp_pa
                                       "--config", "row_sums_at_end=1", "--rounds", "2",
                                       "--launches", "3", "--out", str(tmp_path)])
     assert hopper_cycles.main() == 0
+    assert compiled == ["", "stages=2", "row_sums_at_end=1"]
     assert calls == ["", "stages=2", "row_sums_at_end=1"] * 2
     rows = json.loads((tmp_path / "hopper_cycles.json").read_text())["rows"]
     assert [row["round"] for row in rows] == [0, 1]
