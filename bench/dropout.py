@@ -78,7 +78,7 @@ PEERS = ("SDPA flash", "SDPA cuDNN")
 
 
 def methods_for(device: str) -> list[str]:
-    """The methods timed on ``device``: dash's Hopper kernels and FlashAttention-2 only on CUDA."""
+    """The methods timed on ``device``: those of ``CUDA_ONLY`` on CUDA alone."""
     return [name for name in METHODS if device == "cuda" or name not in CUDA_ONLY]
 
 

@@ -3,17 +3,17 @@
     python3 bench/hopper_cycles.py --op forward --shape 4,16,16,4096,128 --causal no \\
         --config stages=2 --config pingpong=1 --rounds 3 [--out DIR]
 
-For each (shape, mask, schedule), every config is compiled first without ncu; then each round
-runs every config (the default first) in a process of its own under ``ncu --clock-control none
---metrics gpc__cycles_elapsed.max`` on ``bench/hopper_profile.py``, which launches the kernel after two warm-ups ``--launches`` times;
-the row keeps the median of the launches' cycles, and whether the config's outputs hash to the
-default's (a config changes speed, never bits). Cycles rather than milliseconds: the SM clock
-drifts with power and heat (1.70-1.74 GHz between two profiles of one session) and
-``bench/hopper_tune.py``'s timings of one config differed by up to 17% between two rounds of one
-run, where one kernel's cycles at two shapes of equal work differed by 0.02% (ours) and 0.9%
-(FlashAttention-4's). The count covers the main kernel only (``forward_kernel`` or
-``backward_kernel``), not the backward's preprocess or dQ conversion. Writes
-``hopper_cycles.json`` to ``--out``.
+For each (shape, mask, schedule), every config is compiled first without ncu; then each round runs
+every config (the default first) in a process of its own under ``ncu --clock-control none --metrics
+gpc__cycles_elapsed.max`` on ``bench/hopper_profile.py``, which launches the kernel after two
+warm-ups ``--launches`` times; the row keeps the median of the launches' cycles, and whether the
+config's outputs hash to the default's (a config changes speed, never bits). Cycles rather than
+milliseconds: the SM clock drifts with power and heat (1.70-1.74 GHz between two profiles of one
+session) and ``bench/hopper_tune.py``'s timings of one config differed by up to 17% between two
+rounds of one run, where one kernel's cycles at two shapes of equal work differed by 0.02% (ours)
+and 0.9% (FlashAttention-4's). The count covers the main kernel only (``forward_kernel`` or
+``backward_kernel``), not the backward's preprocess or dQ conversion. Writes ``hopper_cycles.json``
+to ``--out``.
 """
 
 from __future__ import annotations
@@ -118,19 +118,18 @@ def main() -> int:
     args = parser.parse_args()
     masks = (False, True) if args.causal is None else (args.causal == "yes",)
     schedules = ["forward"] if args.op == "forward" else args.schedule or ["shift"]
-    configs = ["default", *args.config]
+    overrides = {name: "" if name == "default" else name for name in ["default", *args.config]}
     rows = []
     for shape in args.shape:
         for causal in masks:
             for schedule in schedules:
-                for name in configs:
-                    compile_first(profile_command(args.op, shape, causal, schedule,
-                                                  "" if name == "default" else name, 0), name)
+                for name, fields in overrides.items():
+                    compile_first(profile_command(args.op, shape, causal, schedule, fields, 0),
+                                  name)
                 for round_ in range(args.rounds):
-                    runs = {name: profile(ncu_command(args.op, shape, causal, schedule,
-                                                      "" if name == "default" else name,
+                    runs = {name: profile(ncu_command(args.op, shape, causal, schedule, fields,
                                                       args.launches), name)
-                            for name in configs}
+                            for name, fields in overrides.items()}
                     row = {"shape": shape, "causal": causal, "schedule": schedule,
                            "round": round_, "configs": compare(runs)}
                     rows.append(row)
