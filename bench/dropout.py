@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import dash_inductor  # noqa: E402
 import methods as m  # noqa: E402
@@ -47,12 +48,12 @@ from dash_inductor.library.op import last_plans  # noqa: E402
 Attention = Callable[..., torch.Tensor]
 
 
-def _pinned(backend: str) -> Attention:
-    """SDPA with one of PyTorch's kernels pinned (``sdpa_kernel``)."""
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+def _pinned(backend_name: str) -> Attention:
+    """SDPA with one of PyTorch's kernels pinned (``sdpa_kernel``), resolved once, not per call."""
+    backend = getattr(SDPBackend, backend_name)
 
-        with sdpa_kernel([getattr(SDPBackend, backend)]):
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        with sdpa_kernel([backend]):
             return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
     return run

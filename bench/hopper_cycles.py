@@ -53,14 +53,26 @@ def ncu_command(op: str, shape: tuple[int, ...], causal: bool, schedule: str, co
             "-c", str(launches), *profile_command(op, shape, causal, schedule, config, launches)]
 
 
+def run_timed(command: list[str], label: str) -> subprocess.CompletedProcess:
+    """Run ``command``, printing how long it took, so that a run cut short still shows where its
+    time went."""
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True)
+    print(f"  {label} {time.monotonic() - start:.0f} s", flush=True)
+    return done
+
+
+def failure(command: list[str], done: subprocess.CompletedProcess, what: str) -> RuntimeError:
+    """The error for a ``command`` that ``what``, with the end of what it printed."""
+    return RuntimeError(f"{' '.join(command)} {what}:\n{(done.stdout + done.stderr)[-2000:]}")
+
+
 def compile_first(command: list[str], label: str) -> None:
     """Run :func:`profile_command`'s ``command`` once without ncu, so that the profiled runs find
     the kernel compiled in Triton's cache."""
-    start = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True)
-    print(f"  compiled {label} in {time.monotonic() - start:.0f} s", flush=True)
+    done = run_timed(command, f"compiled {label} in")
     if done.returncode:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{(done.stdout + done.stderr)[-2000:]}")
+        raise failure(command, done, "failed")
 
 
 def parse_ncu(text: str) -> tuple[list[int], str | None]:
@@ -78,15 +90,11 @@ def parse_ncu(text: str) -> tuple[list[int], str | None]:
 
 def profile(command: list[str], label: str = "") -> tuple[list[int], str]:
     """Run :func:`ncu_command`'s ``command``: (cycles of each launch, the outputs' digest), or an
-    error with the end of what it printed. Prints how long the process took, so that a run cut
-    short still shows where its time went."""
-    start = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True)
-    print(f"  {label} {time.monotonic() - start:.0f} s", flush=True)
+    error with the end of what it printed."""
+    done = run_timed(command, label)
     cycles, digest = parse_ncu(done.stdout)
     if done.returncode or not cycles or digest is None:
-        tail = (done.stdout + done.stderr)[-2000:]
-        raise RuntimeError(f"{' '.join(command)} gave no cycles or no digest:\n{tail}")
+        raise failure(command, done, "gave no cycles or no digest")
     return cycles, digest
 
 
