@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import dash_inductor  # noqa: E402
 import methods as m  # noqa: E402
@@ -46,17 +45,6 @@ import outdir  # noqa: E402
 from dash_inductor.library.op import last_plans  # noqa: E402
 
 Attention = Callable[..., torch.Tensor]
-
-
-def _pinned(backend_name: str) -> Attention:
-    """SDPA with one of PyTorch's kernels pinned (``sdpa_kernel``), resolved once, not per call."""
-    backend = getattr(SDPBackend, backend_name)
-
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v, **kwargs)
-
-    return run
 
 
 #: name -> (determinism on, attention, dropout taken from --p)
@@ -67,10 +55,10 @@ METHODS: dict[str, tuple[bool, Attention, bool]] = {
     "dash p hopper": (True, partial(dash_inductor.attention, kernel="hopper"), True),
     "SDPA det. on p": (True, F.scaled_dot_product_attention, True),
     "SDPA det. off p": (False, F.scaled_dot_product_attention, True),
-    "SDPA flash p=0": (False, _pinned("FLASH_ATTENTION"), False),
-    "SDPA flash p": (False, _pinned("FLASH_ATTENTION"), True),
-    "SDPA cuDNN p=0": (False, _pinned("CUDNN_ATTENTION"), False),
-    "SDPA cuDNN p": (False, _pinned("CUDNN_ATTENTION"), True),
+    "SDPA flash p=0": (False, m.sdpa_pinned("FLASH_ATTENTION"), False),
+    "SDPA flash p": (False, m.sdpa_pinned("FLASH_ATTENTION"), True),
+    "SDPA cuDNN p=0": (False, m.sdpa_pinned("CUDNN_ATTENTION"), False),
+    "SDPA cuDNN p": (False, m.sdpa_pinned("CUDNN_ATTENTION"), True),
 }
 #: Methods that run on CUDA only: dash's Hopper kernels, PyTorch's FlashAttention-2 and cuDNN.
 CUDA_ONLY = ("dash p hopper", "SDPA flash p=0", "SDPA flash p", "SDPA cuDNN p=0", "SDPA cuDNN p")

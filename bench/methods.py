@@ -160,15 +160,24 @@ def compile_own(fn: Callable[..., Any], name: str, **options: Any) -> Callable[.
     return torch.compile(own, **options)
 
 
-def _sdpa(backend_name: str) -> Callable[[Tensor, Tensor, Tensor, Problem], Tensor]:
+def sdpa_pinned(backend_name: str) -> Callable[..., Tensor]:
+    """SDPA with one of PyTorch's kernels pinned (``sdpa_kernel``), resolved once, not per call."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, backend_name)
 
-    def run(q: Tensor, k: Tensor, v: Tensor, problem: Problem) -> Tensor:
+    def run(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
         with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=problem.causal,
-                                                  enable_gqa=problem.group > 1)
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    return run
+
+
+def _sdpa(backend_name: str) -> Callable[[Tensor, Tensor, Tensor, Problem], Tensor]:
+    pinned = sdpa_pinned(backend_name)
+
+    def run(q: Tensor, k: Tensor, v: Tensor, problem: Problem) -> Tensor:
+        return pinned(q, k, v, is_causal=problem.causal, enable_gqa=problem.group > 1)
 
     return run
 
