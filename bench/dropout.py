@@ -119,24 +119,36 @@ def main(argv: list[str] | None = None) -> int:
         inputs = m.make_inputs(problem, device)
         names = methods_for(device)
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+        refused: dict[str, str] = {}  # a peer without a kernel for the problem (cuDNN, say)
         ran = None
         for _ in range(args.rounds):
             for name in names:
+                if name in refused:
+                    continue
                 det, fn, dropout = METHODS[name]
-                samples[name].append(_time(problem, fn, args.p if dropout else 0.0, det, device,
-                                           inputs))
+                try:
+                    samples[name].append(_time(problem, fn, args.p if dropout else 0.0, det,
+                                               device, inputs))
+                except RuntimeError as error:
+                    if not name.startswith("SDPA "):
+                        raise
+                    refused[name] = str(error).splitlines()[0]
+                    print(f"{problem.label}: {name} refused: {refused[name]}", flush=True)
                 if name == "dash p":
                     plan = last_plans()[-1]
                     ran = f"{plan.kernel} {plan.schedule.name if plan.schedule else ''}".strip()
-        row = {"problem": problem.as_dict(), "label": problem.label, "dash_p_ran": ran}
+        row = {"problem": problem.as_dict(), "label": problem.label, "dash_p_ran": ran,
+               "refused": refused}
         for name, runs in samples.items():
+            if name in refused:
+                continue
             row[name] = {"forward_ms": statistics.median(r[0] for r in runs),
                          "backward_ms": statistics.median(r[1] for r in runs)}
         row["dash backward p / p=0"] = row["dash p"]["backward_ms"] / row["dash p=0"]["backward_ms"]
         row["SDPA det. on / dash backward, p"] = (row["SDPA det. on p"]["backward_ms"]
                                                   / row["dash p"]["backward_ms"])
         for peer in PEERS:
-            if f"{peer} p" in samples:
+            if f"{peer} p" in row and f"{peer} p=0" in row:
                 row[f"{peer} backward p / p=0"] = (row[f"{peer} p"]["backward_ms"]
                                                    / row[f"{peer} p=0"]["backward_ms"])
         rows.append(row)
