@@ -1,6 +1,8 @@
 """The Hopper configs, pinned: each entry is a measured choice (docs/maintainers/tuning.md), and
 a change to one should be a decision with a measurement, not an accident."""
 
+import dataclasses
+
 import pytest
 
 from dash_inductor.ops.hopper.config import FORWARD_MIN_SEQ, backward_config, forward_config
@@ -45,3 +47,13 @@ def test_forward_configs_are_the_measured_ones(key):
 
 def test_forward_threshold():
     assert FORWARD_MIN_SEQ == {64: 4096, 128: 2048}
+
+
+def test_the_softmax_under_p_v_refuses_two_stages():
+    """Under P V a step awaits the next K tile before it frees the previous V's stage; with two
+    stages both are one stage and the kernel would wait on itself (it hung on an H100), so the
+    config refuses it by name, and allows two stages without the overlap."""
+    base = forward_config(128)
+    with pytest.raises(ValueError, match="softmax_under_pv needs stages >= 3"):
+        dataclasses.replace(base, stages=2)
+    assert dataclasses.replace(base, stages=2, softmax_under_pv=False).stages == 2

@@ -132,6 +132,14 @@ class HopperForwardConfig:
     num_warps: int = 4
     softmax_under_pv: bool = True
 
+    def __post_init__(self) -> None:
+        # Under P V a step awaits K tile j + 1 before it frees tile j - 1's stage: with two
+        # stages that is the same stage, and the loader and the softmax wait for each other.
+        if self.softmax_under_pv and self.stages < 3:
+            raise ValueError(f"HopperForwardConfig: softmax_under_pv needs stages >= 3 (the next "
+                             f"K tile and the previous V share a stage below that); got "
+                             f"stages={self.stages}")
+
     @property
     def warpgroup_rows(self) -> int:
         """Query rows of one softmax warpgroup: the rows of a Q or O TMA box."""

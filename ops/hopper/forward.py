@@ -200,6 +200,8 @@ def _softmax_partition(shared, PART: gl.constexpr, GROUP: gl.constexpr, CAUSAL: 
         p = gl.where(kept, p, 0.0)
     p = p.to(dtype)  # carried into the next step as the MMA operand: half the registers of fp32
     acc = gl.zeros([PART_M, HEAD_D], gl.float32, layout=o_layout)
+    gl.static_assert(STAGES >= 3 or not UNDER_PV, "under P V, K tile j + 1 and V tile j - 1 "
+                     "need stages of their own")
     if UNDER_PV:
         mbarrier.wait(k_ready.index(1 % STAGES), (1 // STAGES) & 1, pred=n_tiles > 1)
     for j in range(1, n_tiles):
