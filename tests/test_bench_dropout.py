@@ -28,3 +28,27 @@ def test_dropout_bench_times_every_method_on_the_cpu(tmp_path):
             assert row[name]["forward_ms"] > 0 and row[name]["backward_ms"] > 0
         assert row["dash backward p / p=0"] > 0
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_a_pinned_peer_that_refuses_a_problem_is_recorded_not_fatal(tmp_path, monkeypatch):
+    """A pinned SDPA kernel without a kernel for a problem (cuDNN with dropout, say) raises; the
+    row names the refusal and leaves that peer's ratio out, and the run goes on. A refusal of
+    dash's own methods still ends the run."""
+    import pytest
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("No available kernel. Aborting execution.\nmore")
+
+    methods = dict(dropout.METHODS)
+    methods["SDPA cuDNN p"] = (False, refuse, True)
+    monkeypatch.setattr(dropout, "METHODS", methods)
+    monkeypatch.setattr(dropout, "methods_for",
+                        lambda device: ["dash p=0", "dash p", "SDPA det. on p", "SDPA cuDNN p"])
+    assert dropout.main(["--device", "cpu", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    for row in json.loads((tmp_path / "dropout.json").read_text())["rows"]:
+        assert row["refused"] == {"SDPA cuDNN p": "No available kernel. Aborting execution."}
+        assert "SDPA cuDNN p" not in row and "SDPA cuDNN backward p / p=0" not in row
+        assert row["dash p"]["backward_ms"] > 0
+    methods["dash p"] = (True, refuse, True)
+    with pytest.raises(RuntimeError, match="No available kernel"):
+        dropout.main(["--device", "cpu", "--rounds", "1", "--out", str(tmp_path)])
