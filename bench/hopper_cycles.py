@@ -1,7 +1,7 @@
 """The Hopper kernels' configs compared in elapsed cycles, by Nsight Compute, configs alternating:
 
     python3 bench/hopper_cycles.py --op forward --shape 4,16,16,4096,128 --causal no \\
-        --config stages=2 --config pingpong=1 --rounds 3 [--out DIR]
+        --config softmax_under_pv=0 --config softmax_under_pv=0,stages=2 --rounds 3 [--out DIR]
 
 For each (shape, mask, schedule), every config is compiled first without ncu; then each round runs
 every config (the default first) in a process of its own under ``ncu --clock-control none --metrics
@@ -12,8 +12,8 @@ milliseconds: the SM clock drifts with power and heat (1.70-1.74 GHz between two
 session) and ``bench/hopper_tune.py``'s timings of one config differed by up to 17% between two
 rounds of one run, where one kernel's cycles at two shapes of equal work differed by 0.02% (ours)
 and 0.9% (FlashAttention-4's). The count covers the main kernel only (``forward_kernel`` or
-``backward_kernel``), not the backward's preprocess or dQ conversion. Writes ``hopper_cycles.json``
-to ``--out``.
+``backward_kernel``), not the backward's preprocess or dQ conversion. A process that runs past
+``--limit`` seconds ends the run with its config's name. Writes ``hopper_cycles.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -53,12 +53,22 @@ def ncu_command(op: str, shape: tuple[int, ...], causal: bool, schedule: str, co
             "-c", str(launches), *profile_command(op, shape, causal, schedule, config, launches)]
 
 
-def run_timed(command: list[str], label: str) -> subprocess.CompletedProcess:
-    """Run ``command``, printing how long it took, so that a run cut short still shows where its
-    time went."""
+#: Seconds one compiling or profiled process may take, so that a config that deadlocks ends the
+#: run with its name instead of holding the GPU (two K/V stages under P V once did).
+LIMIT_S = 300
+
+
+def run_timed(command: list[str], what: str,
+              limit: float = LIMIT_S) -> subprocess.CompletedProcess:
+    """Run ``command``, printing how long ``what`` took, so that a run cut short still shows
+    where its time went; an error naming ``what`` past ``limit`` seconds."""
     start = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True)
-    print(f"  {label} {time.monotonic() - start:.0f} s", flush=True)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as expired:
+        raise RuntimeError(f"{what}: no result in {limit:.0f} s (a config that deadlocks, or a "
+                           f"compile slower than that): {' '.join(command)}") from expired
+    print(f"  {what}: {time.monotonic() - start:.0f} s", flush=True)
     return done
 
 
@@ -67,10 +77,10 @@ def failure(command: list[str], done: subprocess.CompletedProcess, what: str) ->
     return RuntimeError(f"{' '.join(command)} {what}:\n{(done.stdout + done.stderr)[-2000:]}")
 
 
-def compile_first(command: list[str], label: str) -> None:
+def compile_first(command: list[str], label: str, limit: float = LIMIT_S) -> None:
     """Run :func:`profile_command`'s ``command`` once without ncu, so that the profiled runs find
     the kernel compiled in Triton's cache."""
-    done = run_timed(command, f"compiled {label} in")
+    done = run_timed(command, f"compiling {label}", limit)
     if done.returncode:
         raise failure(command, done, "failed")
 
@@ -88,10 +98,11 @@ def parse_ncu(text: str) -> tuple[list[int], str | None]:
     return cycles, digest
 
 
-def profile(command: list[str], label: str = "") -> tuple[list[int], str]:
+def profile(command: list[str], label: str = "",
+            limit: float = LIMIT_S) -> tuple[list[int], str]:
     """Run :func:`ncu_command`'s ``command``: (cycles of each launch, the outputs' digest), or an
     error with the end of what it printed."""
-    done = run_timed(command, label)
+    done = run_timed(command, f"profiling {label}", limit)
     cycles, digest = parse_ncu(done.stdout)
     if done.returncode or not cycles or digest is None:
         raise failure(command, done, "gave no cycles or no digest")
@@ -123,6 +134,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--launches", type=int, default=5, help="profiled launches per run")
     parser.add_argument("--out", default=None, help="folder for hopper_cycles.json")
+    parser.add_argument("--limit", type=float, default=LIMIT_S,
+                        help="seconds one compiling or profiled process may take")
     args = parser.parse_args()
     masks = (False, True) if args.causal is None else (args.causal == "yes",)
     schedules = ["forward"] if args.op == "forward" else args.schedule or ["shift"]
@@ -133,10 +146,10 @@ def main() -> int:
             for schedule in schedules:
                 for name, fields in overrides.items():
                     compile_first(profile_command(args.op, shape, causal, schedule, fields, 0),
-                                  name)
+                                  name, args.limit)
                 for round_ in range(args.rounds):
                     runs = {name: profile(ncu_command(args.op, shape, causal, schedule, fields,
-                                                      args.launches), name)
+                                                      args.launches), name, args.limit)
                             for name, fields in overrides.items()}
                     row = {"shape": shape, "causal": causal, "schedule": schedule,
                            "round": round_, "configs": compare(runs)}

@@ -80,7 +80,7 @@ def test_a_run_alternates_configs_and_writes_each_rounds_row(monkeypatch, tmp_pa
     calls, compiled = [], []
     cycles = {"": 1000, "stages=2": 900, "row_sums_at_end=1": 1100}
 
-    def fake_run(command, capture_output, text):
+    def fake_run(command, capture_output, text, timeout):
         config = command[command.index("--config") + 1]
         if command[0] != "ncu":  # the compile pass
             compiled.append(config)
@@ -106,9 +106,20 @@ def test_a_run_alternates_configs_and_writes_each_rounds_row(monkeypatch, tmp_pa
 
 
 def test_a_run_without_cycles_fails_with_what_ncu_printed(monkeypatch) -> None:
-    def fake_run(command, capture_output, text):
+    def fake_run(command, capture_output, text, timeout):
         return subprocess.CompletedProcess(command, 1, "", "==ERROR== ERR_NVGPUCTRPERM")
 
     monkeypatch.setattr(hopper_cycles.subprocess, "run", fake_run)
     with pytest.raises(RuntimeError, match="ERR_NVGPUCTRPERM"):
         hopper_cycles.profile(["ncu"])
+
+
+def test_a_process_past_its_limit_ends_the_run_with_the_configs_name(monkeypatch) -> None:
+    """A config that deadlocks (or compiles too slowly) ends the run with an error naming it."""
+    def fake_run(command, capture_output, text, timeout):
+        assert timeout == 42
+        raise subprocess.TimeoutExpired(command, timeout)
+
+    monkeypatch.setattr(hopper_cycles.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match=r"compiling stages=2: no result in 42 s"):
+        hopper_cycles.compile_first(["python3", "bench/hopper_tune.py"], "stages=2", 42)
