@@ -45,8 +45,6 @@ import outdir  # noqa: E402
 from dash_inductor.library.op import last_plans  # noqa: E402
 
 Attention = Callable[..., torch.Tensor]
-
-
 #: name -> (determinism on, attention, dropout taken from --p)
 METHODS: dict[str, tuple[bool, Attention, bool]] = {
     "dash p=0": (True, dash_inductor.attention, False),
